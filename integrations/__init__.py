@@ -1,0 +1,1 @@
+"""PyTorch integration and the command line: the only package that imports torch."""

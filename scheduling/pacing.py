@@ -1,0 +1,315 @@
+"""Per-path pacing and a minimal, loss-tolerant congestion response.
+
+Theory of operation
+-------------------
+Each path has a :class:`Pacer`: a token bucket filled at its congestion controller's rate and
+capped at ``burst_bytes``. The sender asks once per batch how many bytes it may put on the path
+now (:meth:`Pacer.allowance`), sends up to that many, reports them (:meth:`Pacer.consume`) and, if
+it has more, re-arms its timer at :meth:`Pacer.next_send_time`. Sending at most the allowance
+keeps the bytes sent in any interval ``[t0, t1]`` within ``rate·(t1 - t0) + burst_bytes``.
+
+Controllers are pluggable (:class:`CongestionController`, :func:`register_controller`) the way
+aioquic's congestion control is. The default ``loss-tolerant`` controller follows from what the
+transport tolerates: gradlane *expects* to lose droppable and ordinary packets within its loss
+budget (and marks them for the network to drop first), so their loss alone says nothing the
+loss budget does not already handle and is **not** a congestion signal. Two things are:
+
+* **delay growth**: an RTT sample above ``min_rtt·(1 + delay_threshold)`` (and at least
+  ``delay_floor_s`` above ``min_rtt``) means a queue is building (as in TIMELY, Mittal et al.
+  SIGCOMM'15, and Swift, Kumar et al. SIGCOMM'20);
+* **protected loss**: a protected packet was dropped even though the network should have dropped
+  lower classes first: the path is overloaded beyond what priorities absorb.
+
+Either multiplies the rate by ``decrease``, at most once per smoothed RTT (one reaction per
+congestion event, as TCP's fast recovery does). While acks come back clean the rate grows by
+``increase_Bps_per_s`` per second, plus ``increase_gain`` of itself per RTT (multiplicative
+probing; 0 keeps the increase purely additive). The rate stays in
+``[min_rate_Bps, max_rate_Bps]``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from scheduling.errors import ConfigError
+
+__all__ = [
+    "CongestionController",
+    "FixedRate",
+    "LossTolerant",
+    "Pacer",
+    "PacingConfig",
+    "controller_names",
+    "make_controller",
+    "register_controller",
+]
+
+_TOKEN_EPS = 1e-6  # bytes
+
+
+@dataclass(frozen=True)
+class PacingConfig:
+    """Configuration of per-path pacing and congestion control.
+
+    Attributes:
+        controller: registered name of the :class:`CongestionController`
+            (see :func:`controller_names`).
+        initial_rate_Bps: pacing rate before any feedback (bytes/s); the constant rate of
+            ``fixed``.
+        min_rate_Bps: the rate never drops below this (bytes/s).
+        max_rate_Bps: the rate never grows above this (bytes/s).
+        burst_bytes: token-bucket depth: the most bytes sent back-to-back after an idle period.
+            Must hold the largest datagram.
+        delay_threshold: relative RTT growth over ``min_rtt`` that counts as congestion.
+        delay_floor_s: absolute RTT growth below which delay is never congestion (on loopback
+            and in a datacenter ``min_rtt`` is tens of microseconds; jitter alone would trip a
+            purely relative threshold).
+        decrease: multiplicative decrease factor on a congestion signal, in (0, 1).
+        increase_Bps_per_s: additive increase while clean, bytes/s gained per second.
+        increase_gain: multiplicative increase while clean, fraction of the rate per RTT.
+        initial_rtt_s: RTT assumed before the first sample (spacing of decreases).
+        rtt_alpha: weight of a new sample in the smoothed RTT.
+    """
+
+    controller: str = "loss-tolerant"
+    initial_rate_Bps: float = 1.25e8  # noqa: N815 (B = bytes)
+    min_rate_Bps: float = 1e6  # noqa: N815 (B = bytes)
+    max_rate_Bps: float = 1.25e10  # noqa: N815 (B = bytes)
+    burst_bytes: int = 65536
+    delay_threshold: float = 0.5
+    delay_floor_s: float = 100e-6
+    decrease: float = 0.7
+    increase_Bps_per_s: float = 1.25e9  # noqa: N815 (B = bytes)
+    increase_gain: float = 0.0
+    initial_rtt_s: float = 0.001
+    rtt_alpha: float = 0.125
+
+    def __post_init__(self) -> None:
+        if self.controller not in _CONTROLLERS:
+            raise ConfigError(
+                f"congestion controller {self.controller!r} is not registered; "
+                f"valid names: {', '.join(controller_names())}"
+            )
+        if not 0.0 < self.min_rate_Bps <= self.initial_rate_Bps <= self.max_rate_Bps < math.inf:
+            raise ConfigError(
+                "rates must satisfy 0 < min_rate_Bps <= initial_rate_Bps <= max_rate_Bps < inf, "
+                f"got {self.min_rate_Bps}, {self.initial_rate_Bps}, {self.max_rate_Bps}"
+            )
+        if self.burst_bytes < 1:
+            raise ConfigError(f"burst_bytes must be >= 1, got {self.burst_bytes}")
+        if not 0.0 < self.delay_threshold < math.inf:
+            raise ConfigError(f"delay_threshold must be > 0, got {self.delay_threshold}")
+        if not 0.0 <= self.delay_floor_s < math.inf:
+            raise ConfigError(f"delay_floor_s must be >= 0, got {self.delay_floor_s}")
+        if not 0.0 < self.decrease < 1.0:
+            raise ConfigError(f"decrease must be in (0, 1), got {self.decrease}")
+        if not 0.0 <= self.increase_Bps_per_s < math.inf:
+            raise ConfigError(f"increase_Bps_per_s must be >= 0, got {self.increase_Bps_per_s}")
+        if not 0.0 <= self.increase_gain < math.inf:
+            raise ConfigError(f"increase_gain must be >= 0, got {self.increase_gain}")
+        if not 0.0 < self.initial_rtt_s < math.inf:
+            raise ConfigError(f"initial_rtt_s must be > 0, got {self.initial_rtt_s}")
+        if not 0.0 < self.rtt_alpha <= 1.0:
+            raise ConfigError(f"rtt_alpha must be in (0, 1], got {self.rtt_alpha}")
+
+
+class CongestionController(ABC):
+    """Sets one path's sending rate from acks and losses.
+
+    Callbacks are keyword-only and take ``now`` (seconds); :attr:`rate_Bps` is read by the
+    :class:`Pacer` whenever it refills.
+    """
+
+    def __init__(self, config: PacingConfig) -> None:
+        self.config = config
+
+    @property
+    @abstractmethod
+    def rate_Bps(self) -> float:  # noqa: N802 (B = bytes)
+        """Current pacing rate in bytes/s."""
+
+    @abstractmethod
+    def on_ack(self, *, now: float, acked_bytes: int, rtt: float | None) -> None:
+        """Bytes were acknowledged; ``rtt`` is a sample in seconds when the ack carried one."""
+
+    @abstractmethod
+    def on_loss(self, *, now: float, lost_bytes: int, protected: bool) -> None:
+        """Bytes were declared lost; ``protected`` says whether any of them was protected."""
+
+
+_C = TypeVar("_C", bound=type[CongestionController])
+_CONTROLLERS: dict[str, type[CongestionController]] = {}
+
+
+def register_controller(name: str) -> Callable[[_C], _C]:
+    """Class decorator registering a :class:`CongestionController` under ``name``."""
+
+    def decorate(cls: _C) -> _C:
+        if name in _CONTROLLERS:
+            raise ConfigError(f"congestion controller {name!r} is already registered")
+        _CONTROLLERS[name] = cls
+        return cls
+
+    return decorate
+
+
+def controller_names() -> list[str]:
+    """Names of the registered congestion controllers, sorted."""
+    return sorted(_CONTROLLERS)
+
+
+def make_controller(config: PacingConfig) -> CongestionController:
+    """Instantiate the controller named by ``config.controller``."""
+    try:
+        cls = _CONTROLLERS[config.controller]
+    except KeyError:
+        raise ConfigError(
+            f"congestion controller {config.controller!r} is not registered; "
+            f"valid names: {', '.join(controller_names())}"
+        ) from None
+    return cls(config)
+
+
+@register_controller("loss-tolerant")
+class LossTolerant(CongestionController):
+    """Default controller: decrease on delay growth or protected loss, probe up while clean."""
+
+    def __init__(self, config: PacingConfig) -> None:
+        super().__init__(config)
+        self._rate = config.initial_rate_Bps
+        self._srtt = math.nan
+        self._min_rtt = math.inf
+        self._next_decrease = -math.inf  # earliest time the next decrease may happen
+        self._last_ack = math.nan  # time of the previous clean ack (increase integrates from it)
+        self.decreases = 0
+        """Number of multiplicative decreases so far (for reports)."""
+
+    @property
+    def rate_Bps(self) -> float:  # noqa: N802 (B = bytes)
+        """Current pacing rate in bytes/s."""
+        return self._rate
+
+    @property
+    def min_rtt(self) -> float:
+        """Smallest RTT sample seen (seconds), ``inf`` before any."""
+        return self._min_rtt
+
+    def on_ack(self, *, now: float, acked_bytes: int, rtt: float | None) -> None:
+        """Decrease on delay growth; otherwise grow additively (and multiplicatively)."""
+        cfg = self.config
+        if rtt is not None and math.isfinite(rtt) and rtt >= 0.0:
+            self._min_rtt = min(self._min_rtt, rtt)
+            self._srtt = (
+                rtt
+                if math.isnan(self._srtt)
+                else (1.0 - cfg.rtt_alpha) * self._srtt + cfg.rtt_alpha * rtt
+            )
+            queueing = rtt - self._min_rtt
+            if queueing > max(self._min_rtt * cfg.delay_threshold, cfg.delay_floor_s):
+                self._decrease(now)
+                self._last_ack = now
+                return
+        if acked_bytes <= 0:
+            return
+        if not math.isnan(self._last_ack):
+            # Integrate over at most one RTT: after an idle gap the path has not shown it can
+            # carry more, so the gap earns no increase.
+            rtt_now = self._rtt()
+            dt = min(max(now - self._last_ack, 0.0), rtt_now)
+            grown = self._rate * (1.0 + cfg.increase_gain * dt / rtt_now)
+            self._rate = min(cfg.max_rate_Bps, grown + cfg.increase_Bps_per_s * dt)
+        self._last_ack = now
+
+    def on_loss(self, *, now: float, lost_bytes: int, protected: bool) -> None:
+        """Only the loss of a protected packet is a congestion signal (see module doc)."""
+        if protected and lost_bytes > 0:
+            self._decrease(now)
+
+    def _rtt(self) -> float:
+        return self.config.initial_rtt_s if math.isnan(self._srtt) else max(self._srtt, 1e-6)
+
+    def _decrease(self, now: float) -> None:
+        if now < self._next_decrease:
+            return  # already reacted to this congestion event
+        self._rate = max(self.config.min_rate_Bps, self._rate * self.config.decrease)
+        self._next_decrease = now + self._rtt()
+        self.decreases += 1
+
+
+@register_controller("fixed")
+class FixedRate(CongestionController):
+    """Baseline: a constant rate (``initial_rate_Bps``), feedback ignored."""
+
+    @property
+    def rate_Bps(self) -> float:  # noqa: N802 (B = bytes)
+        """The configured ``initial_rate_Bps``."""
+        return self.config.initial_rate_Bps
+
+    def on_ack(self, *, now: float, acked_bytes: int, rtt: float | None) -> None:
+        """Ignored."""
+
+    def on_loss(self, *, now: float, lost_bytes: int, protected: bool) -> None:
+        """Ignored."""
+
+
+class Pacer:
+    """Token bucket for one path, filled at its controller's rate (see module doc).
+
+    The bucket starts full at the first call. :meth:`consume` may take more than the allowance
+    (a datagram larger than the tokens left); the bucket then goes into debt and the next
+    allowance waits for it to be repaid, so the long-run rate still holds.
+    """
+
+    def __init__(
+        self, config: PacingConfig | None = None, controller: CongestionController | None = None
+    ) -> None:
+        self.config = config if config is not None else PacingConfig()
+        self.controller = controller if controller is not None else make_controller(self.config)
+        self._tokens = float(self.config.burst_bytes)
+        self._last = math.nan
+
+    @property
+    def rate_Bps(self) -> float:  # noqa: N802 (B = bytes)
+        """The controller's current rate."""
+        return self.controller.rate_Bps
+
+    def allowance(self, now: float) -> int:
+        """Bytes that may be sent on this path at ``now`` (0 while in debt)."""
+        self._refill(now)
+        # The epsilon forgives float round-off in ``rate × dt`` (999.9999999 means 1000).
+        return max(0, math.floor(self._tokens + _TOKEN_EPS))
+
+    def consume(self, nbytes: int, now: float) -> None:
+        """Record ``nbytes`` sent at ``now``."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        self._refill(now)
+        self._tokens -= nbytes
+
+    def next_send_time(self, now: float, nbytes: int) -> float:
+        """Earliest time ``nbytes`` may be sent at the current rate; never earlier than ``now``.
+
+        A pure query (the bucket does not move), so a driver's ``get_timer`` may call it. A
+        datagram larger than ``burst_bytes`` may go once the bucket is full.
+        """
+        if math.isnan(self._last):
+            return now
+        need = min(float(nbytes), float(self.config.burst_bytes))
+        deficit = need - self._tokens  # tokens as of the last refill
+        if deficit <= 0.0:
+            return now
+        # One byte of margin absorbs float round-off in the times, so that ``allowance`` at the
+        # returned time really is >= nbytes rather than one byte short.
+        return max(now, self._last + (deficit + 1.0) / self.controller.rate_Bps)
+
+    def _refill(self, now: float) -> None:
+        if not math.isnan(self._last):
+            # A clock that steps backwards earns nothing (and takes nothing).
+            dt = max(0.0, now - self._last)
+            burst = float(self.config.burst_bytes)
+            self._tokens = min(burst, self._tokens + dt * self.controller.rate_Bps)
+        self._last = now if math.isnan(self._last) else max(self._last, now)

@@ -1,0 +1,495 @@
+"""Path choice over a set of network paths toward one peer.
+
+Theory of operation
+-------------------
+Packets need no order (each names its step, bucket, shard and chunk), so every packet may take
+any path. :class:`PathSet` keeps, per path and in numpy arrays: a delivery-rate estimate, RTT
+statistics, an EWMA of the loss rate, the bytes outstanding (sent, neither acked nor lost), the
+last time the path made progress, and a state:
+
+=========  ==========================================================  =======================
+state      entered when                                                 gets
+=========  ==========================================================  =======================
+UP         start; any ack or probe ack while loss is below threshold    its share of everything
+SUSPECT    outstanding data but no progress for ``suspect_after_s``,    no protected packets, a
+           or loss EWMA above ``loss_suspect``                          trickle of the others
+DOWN       no progress for ``down_after_s`` (data outstanding or       nothing; probes only
+           already SUSPECT)
+=========  ==========================================================  =======================
+
+**Assignment** (:meth:`PathSet.assign`) water-fills a batch's bytes over the usable paths so that
+every path's backlog drains at the same time: path ``i`` gets ``max(0, L·rate_i - outstanding_i)``
+bytes for the level ``L`` that places the whole batch. With nothing outstanding that is a split
+proportional to the rates; a path that is falling behind gets less until it catches up. The
+packets are then interleaved over the paths with a golden-ratio (Weyl) sequence started at a
+random offset: every prefix of the batch (the most urgent packets come first) is spread over the
+paths in proportion, it is fully vectorised, and it is deterministic given the generator.
+
+**Rate estimation**: acked bytes over a measurement window of at least ``rate_window_s`` (and one
+smoothed RTT), EWMA-smoothed. A window that ends with the path drained was application-limited,
+so it may raise the estimate but never lower it (BBR's rule; Cardwell et al., ACM Queue 2016) —
+otherwise idle gaps between training steps would make every path look slow.
+
+**Failure**: when a path goes DOWN its outstanding bytes are written off (:meth:`PathSet.tick`
+returns the paths that went down, so the transport re-queues the chunks it had in flight there:
+nothing is lost when a path dies) and probes every ``probe_interval_s`` bring it back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from scheduling.errors import ConfigError
+
+__all__ = ["PathConfig", "PathSet", "PathState"]
+
+# Frac part of the golden ratio: the Weyl sequence frac(offset + k·φ) is the most evenly
+# spread of its kind (three-distance theorem), so every prefix of a batch is split in proportion.
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+_MIN_RATE = 1.0  # bytes/s; keeps divisions finite for a path that has delivered nothing
+_RTO_FLOOR_S = 0.001
+
+
+class PathState(IntEnum):
+    """Health of one path."""
+
+    UP = 0
+    SUSPECT = 1
+    DOWN = 2
+
+
+@dataclass(frozen=True)
+class PathConfig:
+    """Configuration of path health tracking and packet assignment.
+
+    Attributes:
+        suspect_after_s: a path with outstanding data and no delivery for this long is SUSPECT.
+        down_after_s: no delivery for this long → DOWN (>= ``suspect_after_s``).
+        probe_interval_s: interval between probes of a SUSPECT or DOWN path.
+        loss_suspect: a loss EWMA above this marks the path SUSPECT, in (0, 1].
+        loss_alpha: weight of one packet in the loss EWMA.
+        initial_rate_Bps: rate estimate of a path before it delivered anything (bytes/s).
+        rtt_alpha: weight of a new sample in the smoothed RTT (RFC 6298: 1/8); the deviation
+            uses twice this weight (RFC 6298: 1/4).
+        rate_alpha: weight of a new window in the delivery-rate EWMA.
+        rate_window_s: shortest delivery-rate measurement window (the window also spans at
+            least one smoothed RTT).
+        suspect_share: at most this fraction of a batch's unprotected bytes goes to SUSPECT
+            paths (split among them) while some path is UP: enough to notice a recovery.
+        initial_rto_s: retransmission timeout of a path before its first RTT sample.
+    """
+
+    suspect_after_s: float = 0.05
+    down_after_s: float = 0.2
+    probe_interval_s: float = 0.02
+    loss_suspect: float = 0.3
+    loss_alpha: float = 0.05
+    initial_rate_Bps: float = 1.25e8  # noqa: N815 (B = bytes)
+    rtt_alpha: float = 0.125
+    rate_alpha: float = 0.25
+    rate_window_s: float = 0.002
+    suspect_share: float = 0.02
+    initial_rto_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        positive = (
+            "suspect_after_s",
+            "probe_interval_s",
+            "initial_rate_Bps",
+            "rate_window_s",
+            "initial_rto_s",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not 0.0 < value < math.inf:
+                raise ConfigError(f"{name} must be a positive finite number, got {value}")
+        if not self.suspect_after_s <= self.down_after_s < math.inf:
+            raise ConfigError(
+                f"down_after_s ({self.down_after_s}) must be finite and >= suspect_after_s "
+                f"({self.suspect_after_s})"
+            )
+        if not 0.0 < self.loss_suspect <= 1.0:
+            raise ConfigError(f"loss_suspect must be in (0, 1], got {self.loss_suspect}")
+        for name in ("loss_alpha", "rate_alpha"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ConfigError(f"{name} must be in (0, 1], got {value}")
+        if not 0.0 < self.rtt_alpha <= 0.5:
+            raise ConfigError(
+                f"rtt_alpha must be in (0, 0.5] (the deviation uses 2·rtt_alpha), "
+                f"got {self.rtt_alpha}"
+            )
+        if not 0.0 <= self.suspect_share < 1.0:
+            raise ConfigError(f"suspect_share must be in [0, 1), got {self.suspect_share}")
+
+
+class PathSet:
+    """Per-path estimates and state for the paths toward one peer, plus packet assignment.
+
+    All updates take batches (``path`` and ``sizes`` arrays aligned per packet) and ``now`` in
+    seconds. ``rng`` only seeds the interleaving offset of :meth:`assign`.
+    """
+
+    def __init__(self, n_paths: int, config: PathConfig | None, rng: np.random.Generator) -> None:
+        if n_paths < 1:
+            raise ConfigError(f"a path set needs at least one path, got {n_paths}")
+        self.config = cfg = config if config is not None else PathConfig()
+        self._rng = rng
+        n = self.n_paths = n_paths
+        # Estimates.
+        self._rate = np.full(n, cfg.initial_rate_Bps)
+        self._srtt = np.full(n, np.nan)
+        self._rttvar = np.full(n, np.nan)
+        self._min_rtt = np.full(n, np.inf)
+        self._loss = np.zeros(n)
+        # Accounting.
+        self._outstanding = np.zeros(n)
+        self._sent_total = np.zeros(n)
+        self._acked_total = np.zeros(n)
+        self._lost_total = np.zeros(n)
+        # Delivery-rate window: start time (NaN = closed) and bytes acked since.
+        self._win_t0 = np.full(n, np.nan)
+        self._win_bytes = np.zeros(n)
+        # Health.
+        self._state = np.zeros(n, dtype=np.int8)  # PathState values
+        self._last_delivery = np.full(n, -np.inf)
+        # Last progress: a delivery, or the moment an idle path got data again (an idle path is
+        # not silent, so its silence clock starts when it has something to deliver).
+        self._last_progress = np.zeros(n)
+        self._next_probe = np.full(n, np.inf)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def states(self) -> np.ndarray:
+        """Copy of the per-path :class:`PathState` values (``int8``)."""
+        return self._state.copy()
+
+    def state(self, path: int) -> PathState:
+        """State of one path."""
+        return PathState(int(self._state[path]))
+
+    @property
+    def rates(self) -> np.ndarray:
+        """Copy of the per-path delivery-rate estimates (bytes/s)."""
+        return self._rate.copy()
+
+    @property
+    def outstanding(self) -> np.ndarray:
+        """Copy of the per-path outstanding bytes."""
+        return self._outstanding.copy()
+
+    def next_probe_time(self) -> float | None:
+        """Earliest time a probe falls due on a SUSPECT or DOWN path, or None (all UP)."""
+        due = self._next_probe[self._state != PathState.UP]
+        return float(due.min()) if due.size else None
+
+    def next_tick_time(self) -> float | None:
+        """Earliest time :meth:`tick` may change a state without new feedback, or None.
+
+        A driver re-arms its timer at ``min(next_tick_time(), next_probe_time())``.
+        """
+        cfg = self.config
+        busy = self._outstanding > 0.0
+        up = self._state == PathState.UP
+        suspect = self._state == PathState.SUSPECT
+        t_suspect = np.where(up & busy, self._last_progress + cfg.suspect_after_s, np.inf)
+        t_down = np.where(
+            (up | suspect) & (busy | suspect), self._last_progress + cfg.down_after_s, np.inf
+        )
+        t = float(min(t_suspect.min(), t_down.min()))
+        return t if math.isfinite(t) else None
+
+    def rtt_estimate(self, path: int) -> float:
+        """Smoothed RTT of a path (seconds), or NaN before its first sample."""
+        return float(self._srtt[path])
+
+    def rto(self, path: int) -> float:
+        """Retransmission timeout of a path: ``srtt + 4·rttvar``, at least 1 ms."""
+        return float(self.rtos()[path])
+
+    def rtos(self) -> np.ndarray:
+        """Retransmission timeout of every path (see :meth:`rto`)."""
+        rto = self._srtt + 4.0 * self._rttvar
+        rto = np.where(np.isnan(rto), self.config.initial_rto_s, rto)
+        return np.maximum(rto, _RTO_FLOOR_S)
+
+    def snapshot(self) -> dict[str, list[float | None] | list[str]]:
+        """Per-path statistics for reports: JSON-friendly lists, one entry per path.
+
+        Numbers are floats, or None where not known yet (``srtt_s`` before an RTT sample,
+        ``last_delivery_s`` before any delivery).
+        """
+
+        def floats(a: np.ndarray) -> list[float | None]:
+            # None where unknown (no RTT sample yet, never delivered): strict JSON has no NaN.
+            return [float(x) if np.isfinite(x) else None for x in a]
+
+        return {
+            "state": [PathState(int(s)).name for s in self._state],
+            "rate_Bps": floats(self._rate),
+            "srtt_s": floats(self._srtt),
+            "rttvar_s": floats(self._rttvar),
+            "min_rtt_s": floats(self._min_rtt),
+            "rto_s": floats(self.rtos()),
+            "loss": floats(self._loss),
+            "outstanding_bytes": floats(self._outstanding),
+            "sent_bytes": floats(self._sent_total),
+            "acked_bytes": floats(self._acked_total),
+            "lost_bytes": floats(self._lost_total),
+            "last_delivery_s": floats(self._last_delivery),
+        }
+
+    # -- assignment -----------------------------------------------------------------------------
+
+    def assign(self, *, now: float, sizes: np.ndarray, protected: np.ndarray) -> np.ndarray:
+        """Choose a path for every packet of a batch (in send order, most urgent first).
+
+        Returns an ``int64`` array of path indices, always valid. DOWN paths get nothing;
+        SUSPECT paths get no protected packet and at most ``suspect_share`` of the other bytes;
+        when no path is UP everything goes to the best SUSPECT path (or, with every path DOWN,
+        the best DOWN path), because a path is always returned.
+        """
+        sizes_a = np.asarray(sizes, dtype=np.float64)
+        prot = np.asarray(protected, dtype=bool)
+        if sizes_a.ndim != 1 or prot.shape != sizes_a.shape:
+            raise ValueError(
+                f"sizes {sizes_a.shape} and protected {prot.shape} must be 1-D of equal length"
+            )
+        n_pkt = sizes_a.shape[0]
+        out = np.empty(n_pkt, dtype=np.int64)
+        if n_pkt == 0:
+            return out
+        # States as of ``now``: a path that fell silent since the driver's last tick() must not
+        # get protected packets in the meantime (tick() itself still reports the transition).
+        to_suspect, to_down = self._transitions(now)
+        state = self._state.copy()
+        state[to_suspect] = PathState.SUSPECT
+        state[to_down] = PathState.DOWN
+        up = state == PathState.UP
+        suspect = state == PathState.SUSPECT
+        if not up.any():
+            out.fill(self._best(suspect if suspect.any() else np.ones(self.n_paths, bool)))
+            return out
+
+        rate = np.maximum(self._rate, _MIN_RATE)
+        batch = float(sizes_a.sum())
+        share = _water_fill(rate[up], self._outstanding[up], batch)
+        main = np.zeros(self.n_paths)
+        main[up] = share
+        if main.sum() <= 0.0:  # zero-byte batch: plain proportional split
+            main[up] = rate[up]
+        main /= main.sum()
+
+        offset = float(self._rng.random())
+        if prot.all() or not suspect.any() or self.config.suspect_share == 0.0:
+            out[:] = _interleave(main, n_pkt, offset)
+            return out
+        # Unprotected packets may also use SUSPECT paths, at a trickle split by their rates.
+        other = main * (1.0 - self.config.suspect_share)
+        other[suspect] = self.config.suspect_share * rate[suspect] / rate[suspect].sum()
+        # Protected and unprotected packets each follow their own sequence, so a protected
+        # packet can never land on a SUSPECT path and both stay evenly spread in order.
+        p_idx = np.flatnonzero(prot)
+        u_idx = np.flatnonzero(~prot)
+        out[p_idx] = _interleave(main, p_idx.shape[0], offset)
+        out[u_idx] = _interleave(other, u_idx.shape[0], offset)
+        return out
+
+    # -- feedback -------------------------------------------------------------------------------
+
+    def on_sent(self, path: np.ndarray, sizes: np.ndarray, now: float) -> None:
+        """Account packets handed to the network."""
+        sent = self._per_path(path, sizes)
+        was_idle = self._outstanding <= 0.0
+        got = sent > 0
+        self._outstanding += sent
+        self._sent_total += sent
+        self._last_progress = np.where(got & was_idle, now, self._last_progress)
+
+    def on_acked(
+        self, path: np.ndarray, sizes: np.ndarray, now: float, rtt: np.ndarray | None = None
+    ) -> None:
+        """Account delivered packets; ``rtt`` (seconds per packet) feeds the RTT estimate."""
+        path_a = np.asarray(path, dtype=np.int64)
+        acked = self._per_path(path_a, sizes)
+        got = acked > 0
+        counts = np.bincount(path_a, minlength=self.n_paths)
+        self._outstanding = np.maximum(self._outstanding - acked, 0.0)
+        self._acked_total += acked
+        self._last_delivery = np.where(got, now, self._last_delivery)
+        self._last_progress = np.where(got, now, self._last_progress)
+        # Each acked packet is a "no loss" sample of the loss EWMA.
+        self._loss *= (1.0 - self.config.loss_alpha) ** counts
+        if rtt is not None:
+            self._rtt_samples(path_a, np.asarray(rtt, dtype=np.float64))
+        self._rate_samples(acked, got, now)
+        # Evidence of delivery lifts a SUSPECT/DOWN path unless its loss is still high.
+        healthy = got & (self._loss <= self.config.loss_suspect)
+        self._set_state(healthy & (self._state != PathState.UP), PathState.UP, now)
+
+    def on_lost(self, path: np.ndarray, sizes: np.ndarray, now: float) -> None:
+        """Account packets declared lost (by the transport's loss detection or a NACK)."""
+        path_a = np.asarray(path, dtype=np.int64)
+        lost = self._per_path(path_a, sizes)
+        counts = np.bincount(path_a, minlength=self.n_paths)
+        self._outstanding = np.maximum(self._outstanding - lost, 0.0)
+        self._lost_total += lost
+        keep = (1.0 - self.config.loss_alpha) ** counts
+        self._loss = self._loss * keep + (1.0 - keep)
+        lossy = (self._loss > self.config.loss_suspect) & (self._state == PathState.UP)
+        self._set_state(lossy, PathState.SUSPECT, now)
+
+    def tick(self, now: float) -> list[int]:
+        """Move silent paths UP → SUSPECT → DOWN; returns the paths that went DOWN just now.
+
+        The caller re-queues whatever it had in flight on those paths: their outstanding bytes
+        are written off here.
+        """
+        to_suspect, to_down = self._transitions(now)
+        self._set_state(to_suspect, PathState.SUSPECT, now)
+        self._set_state(to_down, PathState.DOWN, now)
+        self._outstanding[to_down] = 0.0
+        self._win_t0[to_down] = np.nan
+        return [int(i) for i in np.flatnonzero(to_down)]
+
+    def probes_due(self, now: float) -> list[int]:
+        """SUSPECT or DOWN paths whose next probe is due; marks those probes as sent."""
+        due = (self._state != PathState.UP) & (now >= self._next_probe)
+        self._next_probe[due] = now + self.config.probe_interval_s
+        return [int(i) for i in np.flatnonzero(due)]
+
+    def on_probe_ack(self, path: int, now: float, rtt: float | None = None) -> None:
+        """A probe came back: the path delivers again, so it is UP with a clean loss history."""
+        if not 0 <= path < self.n_paths:
+            raise ValueError(f"path {path} out of range [0, {self.n_paths})")
+        self._loss[path] = 0.0
+        self._last_delivery[path] = now
+        self._last_progress[path] = now
+        if rtt is not None:
+            self._rtt_samples(np.array([path]), np.array([rtt], dtype=np.float64))
+        mask = np.zeros(self.n_paths, dtype=bool)
+        mask[path] = self._state[path] != PathState.UP
+        self._set_state(mask, PathState.UP, now)
+
+    # -- private ------------------------------------------------------------------------------
+
+    def _transitions(self, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Masks of the paths that silence (or loss) moves to SUSPECT and to DOWN at ``now``."""
+        cfg = self.config
+        silent_for = now - self._last_progress
+        busy = self._outstanding > 0.0
+        up = self._state == PathState.UP
+        suspect = self._state == PathState.SUSPECT
+        to_down = (
+            (busy | suspect) & (self._state != PathState.DOWN) & (silent_for >= cfg.down_after_s)
+        )
+        to_suspect = (
+            up
+            & ~to_down
+            & ((busy & (silent_for >= cfg.suspect_after_s)) | (self._loss > cfg.loss_suspect))
+        )
+        return to_suspect, to_down
+
+    def _per_path(self, path: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Bytes per path of a batch (validated)."""
+        path_a = np.asarray(path, dtype=np.int64)
+        sizes_a = np.asarray(sizes, dtype=np.float64)
+        if path_a.shape != sizes_a.shape or path_a.ndim != 1:
+            raise ValueError(f"path {path_a.shape} and sizes {sizes_a.shape} must be 1-D, equal")
+        if path_a.size and (path_a.min() < 0 or path_a.max() >= self.n_paths):
+            raise ValueError(f"path indices must be in [0, {self.n_paths})")
+        if sizes_a.size and sizes_a.min() < 0:
+            raise ValueError("sizes must be >= 0")
+        return np.bincount(path_a, weights=sizes_a, minlength=self.n_paths)
+
+    def _set_state(self, mask: np.ndarray, state: PathState, now: float) -> None:
+        if not mask.any():
+            return
+        self._state[mask] = state
+        if state == PathState.UP:
+            self._next_probe[mask] = np.inf
+        else:
+            # Probe at once on entering SUSPECT/DOWN, unless a probe is already scheduled.
+            self._next_probe[mask] = np.minimum(self._next_probe[mask], now)
+
+    def _rtt_samples(self, path: np.ndarray, rtt: np.ndarray) -> None:
+        """RFC 6298 update with one sample per path per batch: the batch's mean RTT there."""
+        if rtt.shape != path.shape:
+            raise ValueError(f"rtt {rtt.shape} must align with path {path.shape}")
+        ok = np.isfinite(rtt) & (rtt >= 0.0)
+        path, rtt = path[ok], rtt[ok]
+        if path.size == 0:
+            return
+        counts = np.bincount(path, minlength=self.n_paths)
+        has = counts > 0
+        mean = np.bincount(path, weights=rtt, minlength=self.n_paths)[has] / counts[has]
+        np.minimum.at(self._min_rtt, path, rtt)
+        a = self.config.rtt_alpha
+        srtt, var = self._srtt[has], self._rttvar[has]
+        first = np.isnan(srtt)
+        new_var = np.where(first, mean / 2.0, (1.0 - 2.0 * a) * var + 2.0 * a * np.abs(srtt - mean))
+        new_srtt = np.where(first, mean, (1.0 - a) * srtt + a * mean)
+        self._srtt[has], self._rttvar[has] = new_srtt, new_var
+
+    def _rate_samples(self, acked: np.ndarray, got: np.ndarray, now: float) -> None:
+        """Delivery-rate windows: open at an ack, sample when long enough or when drained."""
+        cfg = self.config
+        open_ = ~np.isnan(self._win_t0)
+        # Bytes acked at the instant a window opens were delivered before it: not counted.
+        self._win_bytes += np.where(open_, acked, 0.0)
+        elapsed = np.where(open_, now - np.nan_to_num(self._win_t0), 0.0)
+        window = np.maximum(cfg.rate_window_s, np.nan_to_num(self._srtt, nan=0.0))
+        drained = self._outstanding <= 0.0
+        # A drained path closes its window at once: the idle gap that follows must not count.
+        close = open_ & got & ((elapsed >= window) | drained)
+        sample_ok = close & (elapsed > 0.0)
+        if sample_ok.any():
+            sample = np.divide(
+                self._win_bytes, elapsed, out=np.zeros(self.n_paths), where=sample_ok
+            )
+            smoothed = (1.0 - cfg.rate_alpha) * self._rate + cfg.rate_alpha * sample
+            # An application-limited window (the path ran dry) can only raise the estimate.
+            smoothed = np.where(drained, np.maximum(self._rate, smoothed), smoothed)
+            self._rate = np.where(sample_ok, np.maximum(smoothed, _MIN_RATE), self._rate)
+        # (Re)open a window at this ack wherever data is still in flight.
+        restart = got & ~drained & (close | ~open_)
+        self._win_t0 = np.where(restart, now, np.where(close, np.nan, self._win_t0))
+        self._win_bytes = np.where(close | restart, 0.0, self._win_bytes)
+
+    def _best(self, candidates: np.ndarray) -> int:
+        """Best path among ``candidates``: most recent delivery, then highest rate."""
+        idx = np.flatnonzero(candidates)
+        order = np.lexsort((-self._rate[idx], -self._last_delivery[idx]))
+        return int(idx[order[0]])
+
+
+def _water_fill(rate: np.ndarray, outstanding: np.ndarray, batch: float) -> np.ndarray:
+    """Bytes per path so that ``(outstanding + x) / rate`` is equal on every path that gets any.
+
+    Finds the level ``L`` with ``Σ max(0, L·rate - outstanding) = batch``: paths sorted by drain
+    time ``outstanding / rate``; with the ``j`` fastest-draining paths active,
+    ``L_j = (batch + Σ outstanding) / Σ rate``; the right ``j`` is the last with ``L_j`` above
+    the ``j``-th drain time.
+    """
+    drain = outstanding / rate
+    order = np.argsort(drain, kind="stable")
+    cum_out = np.cumsum(outstanding[order])
+    cum_rate = np.cumsum(rate[order])
+    level = (batch + cum_out) / cum_rate
+    active = int(np.flatnonzero(level >= drain[order])[-1])
+    return np.maximum(level[active] * rate - outstanding, 0.0)
+
+
+def _interleave(weights: np.ndarray, n: int, offset: float) -> np.ndarray:
+    """``n`` path indices in proportion to ``weights``, evenly spread along the sequence."""
+    cum = np.cumsum(weights)
+    cum /= cum[-1]
+    u = np.modf(offset + _GOLDEN * np.arange(n, dtype=np.float64))[0]
+    idx = np.searchsorted(cum, u, side="right")
+    # u < 1 = cum[-1] so idx < len(weights); the clip guards float round-off in cum.
+    return np.minimum(idx, weights.shape[0] - 1).astype(np.int64)

@@ -1,0 +1,181 @@
+"""Configuration of the transport cores (STYLE rule 8: one dataclass per component, validated).
+
+``TransportConfig`` gathers the knobs of one rank's protocol endpoint and nests the policy
+configs of :mod:`scheduling`. CLI flags, ``GRADLANE_*`` environment variables and TOML files
+all build it through :meth:`TransportConfig.from_mapping`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduling.loss import LossConfig
+from scheduling.pacing import PacingConfig
+from scheduling.paths import PathConfig
+from scheduling.priority import PriorityConfig
+from transport.errors import ConfigError
+from transport.packet import HEADER_SIZE, ITEMSIZE, MAX_UDP_PAYLOAD
+from transport.tag import TagKey
+
+__all__ = ["TransportConfig"]
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Knobs of one rank's transport endpoint.
+
+    Payload size per packet: ~1408 B for an MTU of 1500, ~8 KiB for jumbo frames, up to ~64 KiB
+    on loopback. ``loss.loss_bound = 0`` makes every transfer fully reliable.
+    """
+
+    job: int = 1
+    """Job token (u32): packets carrying another token are dropped and counted."""
+    secret: str | None = None
+    """Shared secret: when set, packets carry a SipHash-2-4 tag and forged ones are rejected."""
+    chunk_bytes: int = 8192
+    """Payload bytes per DATA packet (a multiple of 4)."""
+    n_paths: int = 1
+    """Paths toward every peer (one per local NIC/address, or spine)."""
+    multipath: bool = True
+    """Spray packets over every path; when False each peer pair uses one hashed path (ECMP)."""
+    ack_every: int = 16
+    """Acknowledge after this many new packets from one sender..."""
+    ack_delay_s: float = 0.0002
+    """...or after this long, whichever comes first."""
+    reorder_window_s: float = 0.001
+    """A chunk is lost once one sent this much later on the same path has been acknowledged."""
+    min_rto_s: float = 0.002
+    """Lower bound of the retransmission timeout."""
+    burst_packets: int = 64
+    """Most datagrams handed out per ``datagrams_to_send`` call and path."""
+    skip_late_droppable: bool = True
+    """Let the sender skip droppable chunks that would miss the soft deadline (within budget)."""
+    rotate: bool = False
+    """Randomised Hadamard rotation of buckets, so a lost chunk becomes small spread-out noise."""
+    rotate_block: int = 1024
+    """Block of the rotation (a power of two)."""
+    step_window: int = 64
+    """Steps ahead of/behind the newest seen that packets may claim; others are stale."""
+    linger_s: float = 2.0
+    """How long a finished transfer is remembered, to answer late packets with STOP."""
+    early_buffer_bytes: int = 256 << 20
+    """Bytes of packets for transfers not yet started locally that are held for later."""
+    seed: int = 0
+    """Seed of the endpoint's random generator (path choice tie-breaks)."""
+    priority: PriorityConfig = field(default_factory=PriorityConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    paths: PathConfig = field(default_factory=PathConfig)
+    pacing: PacingConfig = field(default_factory=PacingConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.job <= 0xFFFFFFFF:
+            raise ConfigError(f"job={self.job}: the job token is a u32 (0..4294967295)")
+        if self.chunk_bytes % 4 or not 64 <= self.chunk_bytes <= MAX_UDP_PAYLOAD - HEADER_SIZE:
+            raise ConfigError(
+                f"chunk_bytes={self.chunk_bytes}: use a multiple of 4 between 64 and "
+                f"{MAX_UDP_PAYLOAD - HEADER_SIZE} (1408 for MTU 1500, 8192 for jumbo frames)"
+            )
+        if not 1 <= self.n_paths <= 64:
+            raise ConfigError(f"n_paths={self.n_paths}: between 1 and 64 paths")
+        if self.ack_every < 1 or self.ack_delay_s <= 0:
+            raise ConfigError("ack_every must be >= 1 and ack_delay_s > 0")
+        if self.min_rto_s <= 0 or self.reorder_window_s < 0:
+            raise ConfigError("min_rto_s must be > 0 and reorder_window_s >= 0")
+        if self.burst_packets < 1:
+            raise ConfigError(f"burst_packets={self.burst_packets}: at least 1")
+        if self.rotate_block < 1 or self.rotate_block & (self.rotate_block - 1):
+            raise ConfigError(f"rotate_block={self.rotate_block}: must be a power of two")
+        if self.step_window < 1:
+            raise ConfigError("step_window must be >= 1")
+
+    @property
+    def tag_key(self) -> TagKey:
+        """The tag key all ranks of this job derive from ``secret``."""
+        return TagKey.from_secret(self.secret)
+
+    def chunk_elems(self, dtype: int) -> int:
+        """Elements per DATA packet for a wire dtype."""
+        return self.chunk_bytes // ITEMSIZE[dtype]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Arena row size: header plus the largest payload, rounded up to 8 bytes."""
+        return (HEADER_SIZE + self.chunk_bytes + 7) // 8 * 8
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> TransportConfig:
+        """Build from a flat or nested mapping (TOML table, parsed flags).
+
+        Nested tables ``priority``, ``loss``, ``paths`` and ``pacing`` fill the policy configs;
+        unknown keys are an error that names them.
+        """
+        nested = {
+            "priority": PriorityConfig,
+            "loss": LossConfig,
+            "paths": PathConfig,
+            "pacing": PacingConfig,
+        }
+        own = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in nested:
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"[{key}] must be a table of settings")
+                sub = nested[key]
+                known = {f.name for f in dataclasses.fields(sub)}
+                bad = sorted(set(value) - known)
+                if bad:
+                    raise ConfigError(f"unknown [{key}] setting(s) {bad}; valid: {sorted(known)}")
+                kwargs[key] = sub(**{k: _tuple(v) for k, v in value.items()})
+            elif key in own:
+                kwargs[key] = value
+            else:
+                raise ConfigError(f"unknown setting {key!r}; valid: {sorted(own)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> TransportConfig:
+        """Build from ``GRADLANE_*`` variables (``GRADLANE_LOSS__LOSS_BOUND=0.02`` for nested).
+
+        Values are parsed as int, float, bool or string, in that order.
+        """
+        env = os.environ if environ is None else environ
+        tree: dict[str, Any] = {}
+        for name, raw in env.items():
+            if not name.startswith("GRADLANE_") or name in _NOT_CONFIG:
+                continue
+            path = name[len("GRADLANE_") :].lower().split("__")
+            node = tree
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = _parse_scalar(raw)
+        tree.update(overrides)
+        return cls.from_mapping(tree)
+
+
+#: GRADLANE_* variables that are not transport settings (read by other components).
+_NOT_CONFIG = frozenset({"GRADLANE_FASTMATH", "GRADLANE_MODE", "GRADLANE_LOG"})
+
+
+def _tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _parse_scalar(raw: str) -> Any:
+    low = raw.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for conv in (int, float):
+        try:
+            return conv(raw)
+        except ValueError:
+            pass
+    return raw
