@@ -1,0 +1,1 @@
+"""gradlane bench: trace replay, the network simulator (netsim), testbed drivers and reports."""

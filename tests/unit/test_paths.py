@@ -1,0 +1,402 @@
+"""Unit tests of scheduling.paths: splitting, rate estimation, failure and recovery."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduling.errors import ConfigError
+from scheduling.paths import PathConfig, PathSet, PathState
+
+DETERMINISTIC = settings(derandomize=True, deadline=None, max_examples=100)
+PKT = 1000
+
+
+def make(n: int = 2, seed: int = 0, **kw: float) -> PathSet:
+    return PathSet(n, PathConfig(**kw), np.random.default_rng(seed))
+
+
+class FluidNet:
+    """Paths as FIFO queues drained at a fixed capacity, stepped in fixed time increments.
+
+    Deliveries come back as one ack batch per path and step, with the queueing delay as RTT.
+    """
+
+    def __init__(self, caps: list[float], base_rtt: float = 0.0005) -> None:
+        self.caps = np.array(caps, dtype=np.float64)
+        self.queue = np.zeros(len(caps))
+        self.base_rtt = base_rtt
+
+    def send(self, paths: np.ndarray, sizes: np.ndarray) -> None:
+        self.queue += np.bincount(paths, weights=sizes, minlength=len(self.caps))
+
+    def step(self, ps: PathSet, now: float, dt: float) -> None:
+        out = np.minimum(self.queue, self.caps * dt)
+        rtt = self.base_rtt + self.queue / np.maximum(self.caps, 1.0)
+        self.queue -= out
+        got = np.flatnonzero(out > 0)
+        if got.size:
+            ps.on_acked(got, out[got], now, rtt[got])
+
+
+def run_window_limited(
+    ps: PathSet, net: FluidNet, *, steps: int, dt: float = 0.001, window: float = 60_000
+) -> np.ndarray:
+    """Keep ``window`` bytes outstanding; return bytes assigned per path in the second half."""
+    assigned = np.zeros(ps.n_paths)
+    for k in range(steps):
+        now = k * dt
+        room = window - ps.outstanding.sum()
+        n = int(room // PKT)
+        if n > 0:
+            sizes = np.full(n, PKT)
+            paths = ps.assign(now=now, sizes=sizes, protected=np.zeros(n, bool))
+            ps.on_sent(paths, sizes, now)
+            net.send(paths, sizes)
+            if k >= steps // 2:
+                assigned += np.bincount(paths, weights=sizes, minlength=ps.n_paths)
+        net.step(ps, now + dt, dt)
+        ps.tick(now + dt)
+    return assigned
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"suspect_after_s": 0.0}, "suspect_after_s"),
+        ({"down_after_s": 0.01}, "down_after_s"),
+        ({"probe_interval_s": -1.0}, "probe_interval_s"),
+        ({"loss_suspect": 0.0}, "loss_suspect"),
+        ({"loss_alpha": 2.0}, "loss_alpha"),
+        ({"initial_rate_Bps": float("inf")}, "initial_rate_Bps"),
+        ({"rtt_alpha": 0.6}, "rtt_alpha"),
+        ({"rate_alpha": 0.0}, "rate_alpha"),
+        ({"suspect_share": 1.0}, "suspect_share"),
+    ],
+)
+def test_config_validation(kwargs: dict[str, float], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        PathConfig(**kwargs)
+
+
+def test_needs_a_path() -> None:
+    with pytest.raises(ConfigError):
+        PathSet(0, None, np.random.default_rng(0))
+
+
+# -- splitting -------------------------------------------------------------------------------------
+
+
+def test_equal_paths_split_evenly() -> None:
+    ps = make(2)
+    sizes = np.full(10_000, PKT)
+    paths = ps.assign(now=0.0, sizes=sizes, protected=np.zeros(10_000, bool))
+    counts = np.bincount(paths, minlength=2)
+    assert abs(counts[0] - counts[1]) <= 2
+    # Every prefix is split too: the most urgent packets use both paths.
+    assert abs(np.bincount(paths[:101], minlength=2)[0] - 50.5) <= 2
+
+
+def test_assignment_spreads_every_prefix_over_four_paths() -> None:
+    ps = make(4)
+    paths = ps.assign(now=0.0, sizes=np.full(400, PKT), protected=np.zeros(400, bool))
+    for end in (8, 40, 400):
+        counts = np.bincount(paths[:end], minlength=4)
+        assert counts.max() - counts.min() <= 2
+
+
+def test_equal_paths_split_evenly_under_load() -> None:
+    ps = make(2)
+    net = FluidNet([2e6, 2e6])
+    assigned = run_window_limited(ps, net, steps=2000)
+    assert assigned[0] / assigned.sum() == pytest.approx(0.5, abs=0.03)
+
+
+def test_one_to_three_rates_split_one_to_three() -> None:
+    ps = make(2, initial_rate_Bps=2e6)
+    net = FluidNet([1e6, 3e6])
+    assigned = run_window_limited(ps, net, steps=4000)
+    assert assigned[0] / assigned.sum() == pytest.approx(0.25, abs=0.03)
+    # The estimates found the capacities, and the fast path was kept busy.
+    assert ps.rates[0] == pytest.approx(1e6, rel=0.15)
+    assert ps.rates[1] == pytest.approx(3e6, rel=0.15)
+    assert assigned.sum() / 2.0 == pytest.approx(4e6, rel=0.05)  # bytes/s over 2 s
+
+
+def test_outstanding_bytes_steer_the_split() -> None:
+    ps = make(2)
+    ps.on_sent(np.array([0]), np.array([50 * PKT]), 0.0)
+    paths = ps.assign(now=0.0, sizes=np.full(100, PKT), protected=np.zeros(100, bool))
+    counts = np.bincount(paths, minlength=2)
+    # Water-filling: path 1 first takes the 50 packets path 0 has ahead, then both share.
+    assert counts[1] == pytest.approx(75, abs=2)
+
+
+def test_assign_is_deterministic_given_the_generator() -> None:
+    a, b = make(3, seed=42), make(3, seed=42)
+    sizes = np.full(500, PKT)
+    prot = np.arange(500) % 7 == 0
+    for now in (0.0, 0.001):
+        pa = a.assign(now=now, sizes=sizes, protected=prot)
+        pb = b.assign(now=now, sizes=sizes, protected=prot)
+        assert np.array_equal(pa, pb)
+    c = make(3, seed=43)
+    assert not np.array_equal(c.assign(now=0.0, sizes=sizes, protected=prot), pa)
+
+
+def test_empty_batch() -> None:
+    out = make(2).assign(now=0.0, sizes=np.empty(0), protected=np.empty(0, bool))
+    assert out.shape == (0,)
+    assert out.dtype == np.int64
+
+
+def test_assign_validates() -> None:
+    with pytest.raises(ValueError):
+        make(2).assign(now=0.0, sizes=np.ones(3), protected=np.ones(2, bool))
+
+
+def test_large_batch() -> None:
+    ps = make(8)
+    n = 10_000
+    paths = ps.assign(now=0.0, sizes=np.full(n, 8192), protected=np.arange(n) % 10 == 0)
+    assert paths.shape == (n,)
+    assert np.bincount(paths, minlength=8).min() >= n // 8 - 2
+
+
+# -- failure and recovery --------------------------------------------------------------------------
+
+
+def silent_path_setup() -> tuple[PathSet, np.ndarray]:
+    """Two paths with data outstanding; path 1 never acks, path 0 always does."""
+    ps = make(2, suspect_after_s=0.05, down_after_s=0.2, probe_interval_s=0.02)
+    sizes = np.full(100, PKT)
+    paths = ps.assign(now=0.0, sizes=sizes, protected=np.zeros(100, bool))
+    ps.on_sent(paths, sizes, 0.0)
+    return ps, paths
+
+
+def ack_path0(ps: PathSet, now: float) -> None:
+    ps.on_sent(np.array([0]), np.array([PKT]), now)
+    ps.on_acked(np.array([0]), np.array([PKT]), now, np.array([0.001]))
+
+
+def test_silent_path_becomes_suspect_then_down() -> None:
+    ps, _ = silent_path_setup()
+    assert ps.next_tick_time() == pytest.approx(0.05)
+    for t in np.arange(0.0, 0.05, 0.01):
+        ack_path0(ps, float(t))
+        assert ps.tick(float(t)) == []
+    ack_path0(ps, 0.05)
+    assert ps.tick(0.05) == []
+    assert ps.state(1) == PathState.SUSPECT
+    assert ps.state(0) == PathState.UP
+    # Path 0 still has unacked data but progressed at 0.05: its silence clock runs to 0.1.
+    assert ps.next_tick_time() == pytest.approx(0.1)
+
+    # SUSPECT: no protected packets, a trickle of the others.
+    n = 10_000
+    prot = np.arange(n) % 2 == 0
+    paths = ps.assign(now=0.06, sizes=np.full(n, PKT), protected=prot)
+    assert not (paths[prot] == 1).any()
+    share = (paths[~prot] == 1).mean()
+    assert 0.0 < share <= ps.config.suspect_share + 0.001
+
+    assert ps.probes_due(0.06) == [1]
+    assert ps.probes_due(0.07) == []
+    assert ps.next_probe_time() == pytest.approx(0.08)
+    assert ps.probes_due(0.08) == [1]
+
+    ack_path0(ps, 0.19)
+    assert ps.tick(0.19) == []
+    ack_path0(ps, 0.2)
+    assert ps.tick(0.2) == [1]
+    assert ps.state(1) == PathState.DOWN
+    assert ps.outstanding[1] == 0.0  # written off: the transport re-queues those chunks
+    assert ps.tick(0.21) == []  # reported once
+
+    # DOWN: nothing at all.
+    paths = ps.assign(now=0.21, sizes=np.full(n, PKT), protected=prot)
+    assert (paths == 0).all()
+
+    # A probe ack brings it back.
+    assert ps.probes_due(0.21) == [1]
+    ps.on_probe_ack(1, 0.215, 0.002)
+    assert ps.state(1) == PathState.UP
+    assert ps.next_probe_time() is None
+    paths = ps.assign(now=0.22, sizes=np.full(1000, PKT), protected=np.ones(1000, bool))
+    assert (paths == 1).sum() > 300
+
+
+def test_assign_sees_silence_before_tick() -> None:
+    ps, _ = silent_path_setup()
+    ack_path0(ps, 0.06)
+    paths = ps.assign(now=0.06, sizes=np.full(100, PKT), protected=np.ones(100, bool))
+    assert (paths == 0).all()
+    assert ps.state(1) == PathState.UP  # the transition itself is tick()'s to report
+    ps.tick(0.06)
+    assert ps.state(1) == PathState.SUSPECT
+
+
+def test_ack_on_suspect_path_lifts_it() -> None:
+    ps, _ = silent_path_setup()
+    ps.tick(0.06)
+    assert ps.state(0) == ps.state(1) == PathState.SUSPECT
+    ps.on_acked(np.array([1]), np.array([PKT]), 0.07)
+    assert ps.state(1) == PathState.UP
+
+
+def test_idle_path_is_never_suspect() -> None:
+    ps = make(2)
+    for t in (0.0, 0.1, 1.0, 100.0):
+        assert ps.tick(t) == []
+    assert ps.states.tolist() == [PathState.UP, PathState.UP]
+    assert ps.next_tick_time() is None
+    # Data sent after a long idle period starts the silence clock at the send.
+    ps.on_sent(np.array([0]), np.array([PKT]), 100.0)
+    assert ps.tick(100.04) == []
+    assert ps.state(0) == PathState.UP
+    ps.tick(100.06)
+    assert ps.state(0) == PathState.SUSPECT
+
+
+def test_lossy_path_becomes_suspect() -> None:
+    ps = make(2, loss_suspect=0.3, loss_alpha=0.1)
+    for t in range(20):
+        ps.on_sent(np.array([0, 1, 1]), np.array([PKT, PKT, PKT]), t * 0.001)
+        ps.on_acked(np.array([0, 1]), np.array([PKT, PKT]), t * 0.001)
+        ps.on_lost(np.array([1]), np.array([PKT]), t * 0.001)
+    assert ps.state(0) == PathState.UP
+    assert ps.state(1) == PathState.SUSPECT
+    snap = ps.snapshot()
+    assert snap["loss"][1] > 0.3  # type: ignore[operator]
+    assert snap["lost_bytes"] == [0.0, 20.0 * PKT]
+    ps.on_probe_ack(1, 0.1)
+    assert ps.state(1) == PathState.UP
+
+
+def test_no_up_path_uses_best_suspect() -> None:
+    ps = make(3)
+    sizes = np.full(30, PKT)
+    ps.on_sent(np.array([0, 1, 2]), np.array([PKT, PKT, PKT]), 0.0)
+    ps.on_acked(np.array([2]), np.array([PKT]), 0.01)  # path 2 delivered most recently
+    ps.on_sent(np.array([2]), np.array([PKT]), 0.01)
+    ps.tick(0.07)
+    assert ps.states.tolist() == [PathState.SUSPECT] * 3
+    assert (ps.assign(now=0.07, sizes=sizes, protected=np.ones(30, bool)) == 2).all()
+    ps.tick(0.3)
+    assert ps.states.tolist() == [PathState.DOWN] * 3
+    # Every path down: still a path (the best), never "no path".
+    assert (ps.assign(now=0.3, sizes=sizes, protected=np.zeros(30, bool)) == 2).all()
+
+
+# -- estimates -------------------------------------------------------------------------------------
+
+
+def test_rtt_and_rto() -> None:
+    ps = make(2, rtt_alpha=0.125, initial_rto_s=0.2)
+    assert np.isnan(ps.rtt_estimate(0))
+    assert ps.rto(0) == pytest.approx(0.2)
+    ps.on_sent(np.array([0, 0]), np.array([PKT, PKT]), 0.0)
+    ps.on_acked(np.array([0, 0]), np.array([PKT, PKT]), 0.01, np.array([0.009, 0.011]))
+    # One sample per path per batch (the mean): srtt = 10 ms, rttvar = 5 ms.
+    assert ps.rtt_estimate(0) == pytest.approx(0.01)
+    assert ps.rto(0) == pytest.approx(0.03)
+    assert ps.snapshot()["min_rtt_s"][0] == pytest.approx(0.009)
+    ps.on_probe_ack(1, 0.0, 1e-5)
+    assert ps.rto(1) == pytest.approx(0.001)  # floor
+    assert ps.rtos().shape == (2,)
+
+
+def test_idle_gaps_do_not_lower_the_rate() -> None:
+    ps = make(1, initial_rate_Bps=1e6, rate_window_s=0.001)
+    net = FluidNet([1e6])
+    for burst in range(5):
+        t0 = burst * 1.0  # one second of idle between bursts
+        for k in range(20):
+            now = t0 + k * 0.001
+            if k < 10:
+                ps.on_sent(np.array([0]), np.array([2 * PKT]), now)
+                net.send(np.array([0]), np.array([2 * PKT]))
+            net.step(ps, now + 0.001, 0.001)
+    assert ps.rates[0] >= 0.9e6
+
+
+def test_snapshot_is_json_friendly() -> None:
+    import json
+
+    ps = make(2)
+    ps.on_sent(np.array([0, 1]), np.array([PKT, 2 * PKT]), 0.0)
+    snap = ps.snapshot()
+    assert snap["state"] == ["UP", "UP"]
+    assert snap["outstanding_bytes"] == [1000.0, 2000.0]
+    assert snap["sent_bytes"] == [1000.0, 2000.0]
+    assert snap["srtt_s"] == [None, None]
+    json.dumps(snap, allow_nan=False)
+
+
+def test_feedback_validates() -> None:
+    ps = make(2)
+    with pytest.raises(ValueError):
+        ps.on_sent(np.array([2]), np.array([PKT]), 0.0)
+    with pytest.raises(ValueError):
+        ps.on_acked(np.array([-1]), np.array([PKT]), 0.0)
+    with pytest.raises(ValueError):
+        ps.on_lost(np.array([0]), np.array([-5]), 0.0)
+    with pytest.raises(ValueError):
+        ps.on_acked(np.array([0, 1]), np.array([PKT, PKT]), 0.0, np.array([0.1]))
+    with pytest.raises(ValueError):
+        ps.on_probe_ack(5, 0.0)
+
+
+# -- property: always a valid path ---------------------------------------------------------------
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["sent", "acked", "lost", "tick", "probe", "probe_ack", "assign"]),
+        st.lists(st.integers(0, 3), min_size=1, max_size=20),
+        st.floats(0.0, 0.1),
+    ),
+    max_size=40,
+)
+
+
+@DETERMINISTIC
+@given(ops=ops, seed=st.integers(0, 2**32 - 1))
+def test_assign_always_returns_valid_paths(
+    ops: list[tuple[str, list[int], float]], seed: int
+) -> None:
+    ps = make(4, seed=seed)
+    now = 0.0
+    for op, idx, dt in ops:
+        now += dt
+        path = np.array(idx)
+        sizes = np.full(len(idx), PKT)
+        if op == "sent":
+            ps.on_sent(path, sizes, now)
+        elif op == "acked":
+            ps.on_acked(path, sizes, now, np.full(len(idx), 0.001))
+        elif op == "lost":
+            ps.on_lost(path, sizes, now)
+        elif op == "tick":
+            ps.tick(now)
+        elif op == "probe":
+            ps.probes_due(now)
+        elif op == "probe_ack":
+            ps.on_probe_ack(idx[0], now, 0.001)
+        n = 3 * len(idx)
+        prot = np.arange(n) % 2 == 0
+        paths = ps.assign(now=now, sizes=np.full(n, PKT), protected=prot)
+        assert paths.dtype == np.int64
+        assert ((paths >= 0) & (paths < 4)).all()
+        states = ps.states
+        if (states == PathState.UP).any():
+            assert (states[paths] != PathState.DOWN).all()
+            assert (states[paths[prot]] == PathState.UP).all()
+        assert (ps.outstanding >= 0).all()
+        assert np.isfinite(ps.rates).all()
+        assert (ps.rates > 0).all()
