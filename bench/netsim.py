@@ -713,3 +713,9 @@ class _Blaster:
 
     def next_event(self) -> Event | None:
         return None
+
+
+if __name__ == "__main__":  # python -m bench.netsim: the all-reduce scenarios
+    from bench.netsim_scenarios import main as _main
+
+    raise SystemExit(_main())

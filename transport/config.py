@@ -52,6 +52,16 @@ class TransportConfig:
     """Lower bound of the retransmission timeout."""
     burst_packets: int = 64
     """Most datagrams handed out per ``datagrams_to_send`` call and path."""
+    nic_rate_Bps: float = 0.0  # noqa: N815 (B = bytes)
+    """Total sending rate of this rank (its NIC), shared by all peers; 0 = no local cap."""
+    tx_quantum_packets: int = 4
+    """Send when this many packets' worth of pacing tokens have accrued (like a GSO burst):
+    fewer, larger batches for the same rate."""
+    rx_coalesce_s: float = 0.0
+    """Hold received datagrams up to this long to process them as one batch (like NIC
+    interrupt moderation); 0 processes at the next driver call."""
+    tick_s: float = 0.001
+    """Period of the sender's housekeeping (retransmission timeouts, path health, resends)."""
     skip_late_droppable: bool = True
     """Let the sender skip droppable chunks that would miss the soft deadline (within budget)."""
     rotate: bool = False
@@ -85,6 +95,10 @@ class TransportConfig:
             raise ConfigError("ack_every must be >= 1 and ack_delay_s > 0")
         if self.min_rto_s <= 0 or self.reorder_window_s < 0:
             raise ConfigError("min_rto_s must be > 0 and reorder_window_s >= 0")
+        if self.nic_rate_Bps < 0 or self.tick_s <= 0:
+            raise ConfigError("nic_rate_Bps must be >= 0 (0 = uncapped) and tick_s > 0")
+        if self.tx_quantum_packets < 1 or self.rx_coalesce_s < 0:
+            raise ConfigError("tx_quantum_packets must be >= 1 and rx_coalesce_s >= 0")
         if self.burst_packets < 1:
             raise ConfigError(f"burst_packets={self.burst_packets}: at least 1")
         if self.rotate_block < 1 or self.rotate_block & (self.rotate_block - 1):

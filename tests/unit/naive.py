@@ -1,0 +1,238 @@
+"""Plain-NumPy references for every kernel in :mod:`transport.kernels`.
+
+Each one is written for obviousness, not speed: packets are built with :func:`packet.encode`,
+received ones judged with :func:`packet.validate`, norms taken in float64, the Hadamard transform
+as an explicit matrix product. The kernel tests hold the numba kernels to these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from transport.packet import (
+    HEADER_SIZE,
+    N_REASONS,
+    DType,
+    Header,
+    Kind,
+    Reason,
+    SessionSpec,
+    TransferSpec,
+    decode_header,
+    encode,
+    validate,
+)
+from transport.tag import TagKey
+
+__all__ = [
+    "as_float32",
+    "chunk_norms",
+    "hadamard_forward",
+    "hadamard_inverse",
+    "pack",
+    "place",
+    "reduce",
+    "signs",
+    "wire_bits",
+]
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def wire_bits(src: np.ndarray, dtype: DType) -> np.ndarray:
+    """The raw wire words of a shard: uint32 for F32, uint16 for F16/BF16."""
+    return np.ascontiguousarray(src).view(np.uint32 if dtype == DType.F32 else np.uint16)
+
+
+def as_float32(bits: np.ndarray, dtype: DType) -> np.ndarray:
+    """float32 values of wire words (f16 converted by NumPy, bf16 as the high half of f32)."""
+    if dtype == DType.F32:
+        return bits.view(np.float32).copy()
+    if dtype == DType.F16:
+        return bits.view(np.float16).astype(np.float32)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def chunk_norms(src: np.ndarray, dtype: DType, chunk_elems: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-chunk (L2 norm, max |x|) in float32, computed in float64."""
+    values = as_float32(wire_bits(src, dtype), dtype).astype(np.float64)
+    n_chunks = -(-values.shape[0] // chunk_elems)
+    norms = np.empty(n_chunks, dtype=np.float32)
+    maxabs = np.empty(n_chunks, dtype=np.float32)
+    for c in range(n_chunks):
+        part = values[c * chunk_elems : (c + 1) * chunk_elems]
+        norms[c] = np.float32(np.sqrt(np.sum(part * part)))
+        maxabs[c] = np.float32(np.max(np.abs(part)))
+    return norms, maxabs
+
+
+def pack(
+    src: np.ndarray,
+    *,
+    dtype: DType,
+    header: Header,
+    chunk_elems: int,
+    key: TagKey,
+    prio: np.ndarray | int = 0,
+    flags: np.ndarray | int = 0,
+    first_chunk: int = 0,
+    norms: np.ndarray | None = None,
+) -> list[bytes]:
+    """The datagrams :func:`transport.kernels.pack` must produce, built with ``packet.encode``.
+
+    ``norms`` overrides the header norms (the kernel's float32 sum of squares may differ from
+    this float64 one in the last bits, and the tag covers the norm).
+    """
+    bits = wire_bits(src, dtype)
+    ref_norms, _ = chunk_norms(src, dtype, chunk_elems)
+    if norms is not None:
+        ref_norms = norms
+    out = []
+    for c in range(-(-bits.shape[0] // chunk_elems)):
+        part = bits[c * chunk_elems : (c + 1) * chunk_elems]
+        h = header.with_(
+            chunk=first_chunk + c,
+            count=part.shape[0],
+            dtype=int(dtype),
+            prio=int(prio[c]) if isinstance(prio, np.ndarray) else int(prio),
+            flags=int(flags[c]) if isinstance(flags, np.ndarray) else int(flags),
+            norm=float(ref_norms[c]),
+            aux=0,
+        )
+        out.append(encode(h, part, key))
+    return out
+
+
+def _verdict(
+    data: bytes, session: SessionSpec, transfer: TransferSpec, received: np.ndarray
+) -> tuple[Reason, Header | None]:
+    reason = validate(data, session, transfer)
+    if reason != Reason.OK:
+        return reason, None
+    h = decode_header(data)
+    if h.kind != Kind.DATA:
+        return Reason.BAD_KIND, None
+    if received[h.src - transfer.src_lo, h.chunk]:
+        return Reason.DUPLICATE, None
+    return Reason.OK, h
+
+
+def reduce(
+    datagrams: Sequence[bytes],
+    accum: np.ndarray,
+    contrib: np.ndarray,
+    received: np.ndarray,
+    *,
+    session: SessionSpec,
+    transfer: TransferSpec,
+    counters: np.ndarray,
+) -> list[Reason]:
+    """``reduce_into`` on a list of datagrams, one ``validate`` at a time; returns the verdicts."""
+    verdicts = []
+    for data in datagrams:
+        reason, h = _verdict(data, session, transfer, received)
+        if h is not None:
+            payload = np.frombuffer(data[HEADER_SIZE:], dtype=_wire_type(transfer.dtype))
+            off = h.chunk * transfer.chunk_elems
+            accum[off : off + h.count] += as_float32(payload, DType(transfer.dtype))
+            contrib[h.chunk] += 1
+            received[h.src - transfer.src_lo, h.chunk] = 1
+        counters[reason] += 1
+        verdicts.append(reason)
+    return verdicts
+
+
+def place(
+    datagrams: Sequence[bytes],
+    out: np.ndarray,
+    received: np.ndarray,
+    *,
+    session: SessionSpec,
+    transfer: TransferSpec,
+    counters: np.ndarray,
+    contrib: np.ndarray | None = None,
+) -> list[Reason]:
+    """``place_into`` on a list of datagrams; ``out`` holds raw wire words."""
+    verdicts = []
+    bits = out.view(_wire_type(transfer.dtype))
+    for data in datagrams:
+        reason, h = _verdict(data, session, transfer, received)
+        if h is not None:
+            payload = np.frombuffer(data[HEADER_SIZE:], dtype=_wire_type(transfer.dtype))
+            off = h.chunk * transfer.chunk_elems
+            bits[off : off + h.count] = payload
+            if contrib is not None:
+                contrib[h.chunk] += 1
+            received[h.src - transfer.src_lo, h.chunk] = 1
+        counters[reason] += 1
+        verdicts.append(reason)
+    return verdicts
+
+
+def _wire_type(dtype: int) -> type:
+    return np.uint32 if dtype == DType.F32 else np.uint16
+
+
+def empty_counters() -> np.ndarray:
+    """A fresh counter array, one int64 per Reason."""
+    return np.zeros(N_REASONS, dtype=np.int64)
+
+
+def _splitmix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def signs(n: int, seed: int) -> np.ndarray:
+    """The ±1 diagonal of ``D`` for elements 0..n-1 (ARCHITECTURE: counter hash of seed, index)."""
+    key = _splitmix64(seed)
+    out = np.empty(n, dtype=np.float64)
+    for g in range(-(-n // 64)):
+        h = _splitmix64((key + (g + 1) * _GAMMA) & _MASK64)
+        for i in range(g * 64, min(n, g * 64 + 64)):
+            out[i] = -1.0 if (h >> (i & 63)) & 1 else 1.0
+    return out
+
+
+def _hadamard_matrix(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(n)
+
+
+def _blocks(n: int, block: int) -> list[tuple[int, int]]:
+    out = []
+    pos = 0
+    size = block
+    while pos < n:
+        while size > n - pos:
+            size //= 2
+        out.append((pos, size))
+        pos += size
+    return out
+
+
+def hadamard_forward(x: np.ndarray, *, seed: int, block: int = 1024) -> np.ndarray:
+    """``H·D·x`` blockwise in float64 (a new array)."""
+    d = signs(x.shape[0], seed)
+    y = np.empty(x.shape[0], dtype=np.float64)
+    for pos, size in _blocks(x.shape[0], block):
+        seg = slice(pos, pos + size)
+        y[seg] = _hadamard_matrix(size) @ (d[seg] * x[seg].astype(np.float64))
+    return y
+
+
+def hadamard_inverse(y: np.ndarray, *, seed: int, block: int = 1024) -> np.ndarray:
+    """``D·H·y`` blockwise in float64 (a new array)."""
+    d = signs(y.shape[0], seed)
+    x = np.empty(y.shape[0], dtype=np.float64)
+    for pos, size in _blocks(y.shape[0], block):
+        seg = slice(pos, pos + size)
+        x[seg] = d[seg] * (_hadamard_matrix(size) @ y[seg].astype(np.float64))
+    return x

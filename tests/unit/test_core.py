@@ -1,0 +1,380 @@
+"""The sans-I/O cores wired in memory: exactness, bounded loss, deadlines, bad input.
+
+Every test is deterministic: a fake clock, seeded generators, explicit drop decisions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduling.loss import LossConfig
+from scheduling.priority import PriorityConfig
+from tests.unit.wire import Wire
+from transport.allreduce import TransposeAllReduce, from_f32, to_f32
+from transport.config import TransportConfig
+from transport.errors import PeerTimeout
+from transport.events import AllReduceComplete, AllReduceFailed, Datagram
+from transport.packet import HEADER_DTYPE, DType, Header, Kind, Reason, encode
+
+
+def make(world: int, **cfg) -> list[TransposeAllReduce]:
+    config = TransportConfig(**{"chunk_bytes": 256, **cfg})
+    return [TransposeAllReduce(r, world, config) for r in range(world)]
+
+
+def run_allreduce(eps, datas, wire: Wire, *, step=1, bucket=0, dtype=None, max_time=30.0):
+    for r, ep in enumerate(eps):
+        ep.start(step, bucket, datas[r], layer_position=0.5, now=wire.now, dtype=dtype)
+
+    def done():
+        return sum(
+            isinstance(e, AllReduceComplete | AllReduceFailed)
+            and (e.step, e.bucket) == (step, bucket)
+            for _, _, e in wire.events
+        ) == len(eps)
+
+    wire.run(done, max_time=max_time)
+    out = {}
+    for r, _, e in wire.events:
+        if e.step == step and e.bucket == bucket:
+            out[r] = e
+    return out
+
+
+def kind_of(dg: Datagram) -> int:
+    return int(np.frombuffer(bytes(dg.data[:48]), dtype=HEADER_DTYPE)[0]["kind"])
+
+
+def header_of(dg: Datagram):
+    return np.frombuffer(bytes(dg.data[:48]), dtype=HEADER_DTYPE)[0]
+
+
+# -- reliable mode ---------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("n", [1, 63, 1000, 4097])
+def test_reliable_exact_f32_under_loss_reorder(world, n):
+    rng = np.random.default_rng(world * 1000 + n)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    eps = make(world)
+    drop_rng = np.random.default_rng(7)
+    wire = Wire(eps, jitter=200e-6, seed=n, drop=lambda src, dg, seq: drop_rng.random() < 0.15)
+    out = run_allreduce(eps, datas, wire)
+    expect = np.sum(datas, axis=0, dtype=np.float64)
+    for r in range(world):
+        ev = out[r]
+        assert isinstance(ev, AllReduceComplete)
+        np.testing.assert_allclose(ev.result, expect, rtol=1e-5, atol=1e-5)
+        assert ev.report.delivered_fraction == 1.0
+        assert not ev.report.degraded
+    if n >= 1000:
+        assert wire.dropped > 0
+
+
+@pytest.mark.parametrize("dtype", [DType.F16, DType.BF16])
+def test_reliable_16bit(dtype):
+    world, n = 3, 777
+    rng = np.random.default_rng(3)
+    vals = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    words = []
+    for v in vals:
+        w = np.empty(n, dtype=np.uint16)
+        from_f32(v, dtype, w)
+        words.append(w if dtype == DType.BF16 else w.view(np.float16))
+    eps = make(world)
+    drop_rng = np.random.default_rng(1)
+    wire = Wire(eps, jitter=100e-6, drop=lambda s, dg, q: drop_rng.random() < 0.1)
+    out = run_allreduce(eps, words, wire, dtype=dtype)
+    exact = sum(to_f32(w.view(np.uint16), dtype) for w in words)
+    rounded = np.empty(n, dtype=np.uint16)
+    from_f32(exact, dtype, rounded)
+    for r in range(world):
+        got = out[r].result.view(np.uint16)
+        np.testing.assert_allclose(to_f32(got, dtype), to_f32(rounded, dtype), rtol=2e-2, atol=2e-2)
+
+
+def test_duplicates_and_garbage_never_double_count():
+    world, n = 3, 2000
+    rng = np.random.default_rng(11)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    eps = make(world)
+    junk_rng = np.random.default_rng(5)
+    forged = encode(
+        Header(kind=Kind.DATA, job=1, step=1, bucket=0, shard=0, src=1, dst=0, chunk=0, count=64),
+        np.ones(64, np.float32).tobytes(),
+    )
+    forged = forged[:-8] + b"\x00" * 8  # payload changed after tagging: bad tag
+
+    def mangle(src, dg):
+        data = bytes(dg.data)
+        out = [data, data]  # every datagram twice
+        if junk_rng.random() < 0.05:
+            out.append(junk_rng.bytes(int(junk_rng.integers(0, 400))))
+            out.append(forged)
+        return out
+
+    wire = Wire(eps, jitter=100e-6, mangle=mangle)
+    out = run_allreduce(eps, datas, wire)
+    expect = np.sum(datas, axis=0, dtype=np.float64)
+    for r in range(world):
+        np.testing.assert_allclose(out[r].result, expect, rtol=1e-5, atol=1e-5)
+    stats = [ep.endpoint.stats()["rejected"] for ep in eps]
+    assert sum(s.get("duplicate", 0) for s in stats) > 0
+    assert sum(sum(v for k, v in s.items() if k != "duplicate") for s in stats) > 0
+    assert stats[0].get("bad_tag", 0) >= 1
+
+
+def test_foreign_job_and_secret_rejected():
+    world, n = 2, 500
+    datas = [np.ones(n, np.float32), np.full(n, 2.0, np.float32)]
+    eps = make(world, secret="s3cret")
+    # A packet of the same job signed without the secret must be rejected (bad tag).
+    unsigned = encode(
+        Header(kind=Kind.DATA, job=1, step=1, bucket=0, shard=0, src=1, dst=0, chunk=0, count=64),
+        np.full(64, 1e6, np.float32),
+    )
+    other_job = encode(
+        Header(kind=Kind.DATA, job=2, step=1, bucket=0, shard=0, src=1, dst=0, chunk=0, count=64),
+        np.full(64, 1e6, np.float32),
+    )
+    wire = Wire(eps)
+    wire.inject(0, unsigned)
+    wire.inject(0, other_job)
+    out = run_allreduce(eps, datas, wire)
+    np.testing.assert_array_equal(out[0].result, np.full(n, 3.0, np.float32))
+    rej = eps[0].endpoint.stats()["rejected"]
+    assert rej.get("bad_tag", 0) >= 1 and rej.get("foreign_job", 0) == 1
+
+
+def test_peer_starting_late_is_buffered():
+    """A fast rank's packets for a bucket the slow rank has not started are held, not lost."""
+    world, n = 2, 3000
+    datas = [np.arange(n, dtype=np.float32), np.ones(n, np.float32)]
+    eps = make(world)
+    wire = Wire(eps)
+    eps[0].start(1, 0, datas[0], 0.5, now=0.0)
+    # Let rank 0 blast (and retransmit) for a while before rank 1 starts.
+    wire.run(lambda: wire.now >= 0.003, max_time=1.0)
+    eps[1].start(1, 0, datas[1], 0.5, now=wire.now)
+    wire.run(lambda: sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == 2)
+    for _, _, e in wire.events:
+        np.testing.assert_array_equal(e.result, datas[0] + datas[1])
+
+
+def test_many_buckets_and_steps_interleaved():
+    world = 3
+    eps = make(world)
+    wire = Wire(eps, jitter=50e-6, drop=lambda s, dg, q: q % 13 == 0)
+    rng = np.random.default_rng(0)
+    expect = {}
+    for step in range(1, 4):
+        for bucket in range(3):
+            datas = [
+                rng.standard_normal(300 + 100 * bucket).astype(np.float32) for _ in range(world)
+            ]
+            expect[(step, bucket)] = np.sum(datas, axis=0)
+            for r, ep in enumerate(eps):
+                ep.start(step, bucket, datas[r], layer_position=1 - bucket / 2, now=wire.now)
+    wire.run(lambda: sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == 27)
+    for _, _, e in wire.events:
+        np.testing.assert_allclose(e.result, expect[(e.step, e.bucket)], rtol=1e-5, atol=1e-5)
+
+
+# -- bounded loss ------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), p=st.floats(0.0, 0.3), world=st.integers(2, 4))
+def test_bounded_never_exceeds_bound_nor_misses_protected(seed, p, world):
+    bound = 0.02
+    cfg = dict(
+        loss=LossConfig(
+            loss_bound=bound,
+            soft_deadline_min_s=0.001,
+            soft_deadline_max_s=0.01,
+            hard_deadline_s=2.0,
+        )
+    )
+    eps = make(world, **cfg)
+    rng = np.random.default_rng(seed)
+    datas = [rng.standard_normal(2500).astype(np.float32) for _ in range(world)]
+    drop_rng = np.random.default_rng(seed + 1)
+    wire = Wire(
+        eps,
+        jitter=100e-6,
+        seed=seed,
+        drop=lambda s, dg, q: kind_of(dg) == Kind.DATA and drop_rng.random() < p,
+    )
+    out = run_allreduce(eps, datas, wire)
+    gather_bound = bound / 2
+    for r in range(world):
+        ev = out[r]
+        assert isinstance(ev, AllReduceComplete)
+        rep = ev.report
+        if not rep.reduce.degraded:
+            assert rep.reduce.protected_missing == 0
+            assert all(f >= 1 - bound - 1e-12 for f in rep.reduce.delivered.values())
+        for g in rep.gather:
+            if not g.degraded:
+                assert g.protected_missing == 0
+                assert all(f >= 1 - gather_bound - 1e-12 for f in g.delivered.values())
+
+
+def test_bounded_lossless_network_is_exact():
+    world = 4
+    eps = make(world, loss=LossConfig(loss_bound=0.05))
+    rng = np.random.default_rng(2)
+    datas = [rng.standard_normal(5000).astype(np.float32) for _ in range(world)]
+    out = run_allreduce(eps, datas, Wire(eps))
+    for r in range(world):
+        np.testing.assert_allclose(out[r].result, np.sum(datas, axis=0), rtol=1e-5, atol=1e-5)
+        assert out[r].report.delivered_fraction == 1.0
+
+
+def test_bounded_drops_only_unprotected_and_fills_unbiased():
+    """Drop every first transmission of droppable chunks: the sender tolerates (FIN), the
+    receiver completes without waiting for the deadline, protected chunks all arrive."""
+    world, n = 2, 20000
+    bound = 0.3
+    cfg = dict(
+        loss=LossConfig(
+            loss_bound=bound, gather_loss_bound=bound, soft_deadline_max_s=1.0, hard_deadline_s=5.0
+        ),
+        priority=PriorityConfig(protected_fraction=0.1, droppable_fraction=0.25),
+    )
+    eps = make(world, **cfg)
+    rng = np.random.default_rng(4)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+
+    def drop(src, dg, q):
+        if kind_of(dg) != Kind.DATA:
+            return False
+        return bool(header_of(dg)["flags"] & 16)  # DROPPABLE
+
+    wire = Wire(eps, drop=drop)
+    out = run_allreduce(eps, datas, wire)
+    for r in range(world):
+        rep = out[r].report
+        assert not rep.degraded
+        assert rep.reduce.protected_missing == 0
+        assert rep.delivered_fraction < 1.0
+        assert rep.duration < 0.5  # completed on FIN, long before the 1 s soft deadline
+        assert sum(rep.sender.dropped) > 0
+    # Unbiased fill: a chunk missing rank 1's part is rank 0's part times two.
+    res = out[0].result
+    exact = datas[0] + datas[1]
+    lost = ~np.isclose(res, exact, rtol=1e-5, atol=1e-5)
+    assert lost.any()
+    own_half = res[lost]
+    assert np.all(
+        np.isclose(own_half, 2 * datas[0][lost], rtol=1e-5, atol=1e-5)
+        | np.isclose(own_half, 2 * datas[1][lost], rtol=1e-5, atol=1e-5)
+    )
+
+
+# -- deadlines ----------------------------------------------------------------------------------
+def _silent(rank):
+    return lambda src, dg, q: src == rank
+
+
+def test_hard_deadline_degrades_with_exact_report():
+    world, n = 3, 1500
+    cfg = dict(
+        loss=LossConfig(
+            loss_bound=0.01,
+            soft_deadline_max_s=0.05,
+            hard_deadline_s=0.2,
+            on_hard_deadline="degrade",
+        )
+    )
+    eps = make(world, **cfg)
+    datas = [np.full(n, r + 1, np.float32) for r in range(world)]
+    wire = Wire(eps, drop=_silent(2))
+    for r in (0, 1):
+        eps[r].start(1, 0, datas[r], 0.5, now=0.0)
+    wire.run(
+        lambda: sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == 1, max_time=5.0
+    )
+    r, _, ev = wire.events[0]
+    assert r == 0 and isinstance(ev, AllReduceComplete)
+    rep = ev.report
+    assert rep.degraded and rep.reduce.degraded
+    assert rep.reduce.delivered[2] == 0.0 and rep.reduce.delivered[1] == 1.0
+    assert rep.reduce.missing_elems == n // world
+    assert 0.2 <= rep.reduce.duration < 0.25
+    # Shard 0 averaged over ranks 0 and 1 and scaled to the world: (1 + 2) / 2 * 3.
+    np.testing.assert_allclose(ev.result[: n // world], 4.5)
+
+
+def test_hard_deadline_raise_names_the_silent_rank():
+    world = 3
+    cfg = dict(
+        loss=LossConfig(
+            loss_bound=0.0, hard_deadline_s=0.1, soft_deadline_max_s=0.05, on_hard_deadline="raise"
+        )
+    )
+    eps = make(world, **cfg)
+    wire = Wire(eps, drop=_silent(1))
+    for r in (0, 2):
+        eps[r].start(7, 3, np.ones(900, np.float32), 0.5, now=0.0)
+    wire.run(lambda: any(isinstance(e, AllReduceFailed) for _, _, e in wire.events), max_time=5.0)
+    fails = [e for _, _, e in wire.events if isinstance(e, AllReduceFailed)]
+    err = fails[0].error
+    assert isinstance(err, PeerTimeout)
+    assert 1 in err.ranks and err.step == 7 and err.bucket == 3
+    assert "rank(s) 1" in str(err)
+
+
+def test_reliable_mode_recovers_from_burst_loss():
+    """Bound 0: a 100% loss window on one sender only delays, never loses."""
+    world, n = 2, 8000
+    eps = make(world)
+    wire = Wire(eps)
+    wire.drop = lambda src, dg, q: src == 0 and q > 3 and wire.now <= 0.02
+    datas = [np.arange(n, dtype=np.float32), np.ones(n, np.float32)]
+    out = run_allreduce(eps, datas, wire)
+    for r in range(world):
+        np.testing.assert_array_equal(out[r].result, datas[0] + datas[1])
+    assert wire.dropped > 0
+
+
+def test_world_of_one_and_empty_bucket():
+    ep = TransposeAllReduce(0, 1, TransportConfig())
+    ep.start(1, 0, np.arange(10, dtype=np.float32), 0.0, now=0.0)
+    ev = ep.next_event()
+    np.testing.assert_array_equal(ev.result, np.arange(10, dtype=np.float32))
+    eps = make(3)
+    out = run_allreduce(eps, [np.zeros(2, np.float32)] * 3, Wire(eps))
+    assert all(isinstance(e, AllReduceComplete) for e in out.values())
+
+
+def test_rotation_commutes_with_the_sum():
+    world, n = 2, 4096
+    eps = make(world, rotate=True, rotate_block=256)
+    rng = np.random.default_rng(9)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    out = run_allreduce(eps, datas, Wire(eps))
+    for r in range(world):
+        np.testing.assert_allclose(out[r].result, datas[0] + datas[1], rtol=1e-4, atol=1e-4)
+
+
+def test_bad_config_is_a_clear_error():
+    from transport.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        TransportConfig(chunk_bytes=3)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        TransportConfig.from_mapping({"chunk_byte": 8})
+    cfg = TransportConfig.from_env({"GRADLANE_LOSS__LOSS_BOUND": "0.02", "GRADLANE_N_PATHS": "2"})
+    assert cfg.loss.loss_bound == 0.02 and cfg.n_paths == 2
+
+
+def test_reject_counters_by_reason():
+    eps = make(2)
+    ep = eps[0].endpoint
+    ep.receive_datagram(b"\x00" * 10, 0, 0.0)
+    ep.receive_datagram(b"\x00" * 60, 0, 0.0)
+    ep.handle_timer(0.0)
+    c = ep.stats()["rejected"]
+    assert c == {"truncated": 1, "bad_magic": 1}
+    assert Reason.TRUNCATED.name.lower() in c

@@ -1,0 +1,342 @@
+"""Sans-I/O transpose all-reduce (ARCHITECTURE §4): reduce-scatter by direct all-to-all, then
+all-gather of the reduced shards. A loss harms one pair in one phase, never a chain.
+
+Theory of operation
+-------------------
+Rank i owns shard i (an even split of the bucket). ``start`` packs every other shard toward its
+owner (REDUCE phase) and expects the other ranks' pieces of shard i; the rank's own piece is
+already in the accumulator. When the reduce transfer completes, the shard is filled without
+bias — each chunk is scaled by world / contributors, so a chunk that missed a sender is the
+mean of those that arrived times the world size — and sent to every other rank (GATHER phase),
+which places it into its result. A gathered chunk that never came keeps the rank's own value
+scaled by the world size (the same unbiased-sum convention). The result is the SUM over ranks;
+the DDP hook divides by the world size.
+
+With ``rotate``, float32 buckets are rotated by a seeded randomized Hadamard transform before
+sharding and rotated back after the gather: the transform is linear, so it commutes with the
+sum, and a lost chunk becomes small noise spread over its block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from transport import kernels
+from transport.config import TransportConfig
+from transport.endpoint import Endpoint
+from transport.events import (
+    AllReduceComplete,
+    AllReduceFailed,
+    CollectiveReport,
+    Datagram,
+    Event,
+    LossReport,
+    PeerTimedOut,
+    TransferComplete,
+)
+from transport.packet import DType, Phase, TransferSpec, chunk_counts
+from transport.receiver import InKey
+from transport.sender import OutKey
+
+__all__ = ["TransposeAllReduce", "from_f32", "shard_bounds", "to_f32", "wire_view"]
+
+
+def shard_bounds(n_elems: int, world: int) -> np.ndarray:
+    """Start offsets of each rank's shard plus the end: shard i = [b[i], b[i+1])."""
+    return (np.arange(world + 1, dtype=np.int64) * n_elems) // world
+
+
+def wire_view(data: np.ndarray, dtype: int | None) -> tuple[np.ndarray, int]:
+    """The bucket as its wire representation (float32, or raw uint16 for f16/bf16) and dtype."""
+    if data.ndim != 1 or not data.flags["C_CONTIGUOUS"]:
+        raise ValueError("a bucket must be a contiguous 1-D array")
+    if data.dtype == np.float32:
+        return data, DType.F32
+    if data.dtype == np.float16:
+        return data.view(np.uint16), DType.F16
+    if data.dtype in (np.uint16, np.int16) and dtype in (DType.F16, DType.BF16):
+        return data.view(np.uint16), int(dtype)
+    raise ValueError(
+        f"unsupported bucket dtype {data.dtype}: use float32, float16, or raw 16-bit words "
+        "with dtype=DType.BF16 / DType.F16"
+    )
+
+
+def to_f32(wire: np.ndarray, dtype: int) -> np.ndarray:
+    """Wire words to float32 (a copy)."""
+    if dtype == DType.F32:
+        return wire.astype(np.float32, copy=True)
+    if dtype == DType.F16:
+        return wire.view(np.float16).astype(np.float32)
+    return (wire.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def from_f32(values: np.ndarray, dtype: int, out: np.ndarray) -> None:
+    """Write float32 ``values`` into wire words ``out`` (bf16 rounds to nearest even)."""
+    if dtype == DType.F32:
+        out[:] = values
+    elif dtype == DType.F16:
+        out.view(np.float16)[:] = values
+    else:
+        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+        rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+        words = (rounded >> np.uint32(16)).astype(np.uint16)
+        nan = np.isnan(values)
+        words[nan] = (bits[nan] >> np.uint32(16)).astype(np.uint16) | np.uint16(0x40)
+        out[:] = words
+
+
+@dataclass
+class _Collective:
+    step: int
+    bucket: int
+    dtype: int
+    layer_position: float
+    pinned: bool
+    started: float
+    original: np.ndarray  # the caller's dtype view of the result
+    result: np.ndarray  # wire words
+    own: np.ndarray  # this rank's own contribution, float32 (rotated when rotating)
+    bounds: np.ndarray
+    accum: np.ndarray
+    contrib: np.ndarray
+    rotated: bool
+    reduce_report: LossReport | None = None
+    gather_reports: dict[int, LossReport] = field(default_factory=dict)
+    gather_received: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+class TransposeAllReduce:
+    """Per-rank transpose all-reduce over an :class:`Endpoint`; itself an Endpoint for drivers.
+
+    ``start(step, bucket, data, layer_position, now)`` begins one collective; the driver gets an
+    :class:`AllReduceComplete` (result + :class:`CollectiveReport`) or :class:`AllReduceFailed`
+    from ``next_event()``.
+    """
+
+    def __init__(
+        self,
+        me: int,
+        world: int,
+        config: TransportConfig | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        self.endpoint = Endpoint(me, world, config, rng)
+        self.me = me
+        self.world = world
+        self.config = self.endpoint.config
+        self._running: dict[tuple[int, int], _Collective] = {}
+        self._events: list[Event] = []
+
+    # -- collective API ------------------------------------------------------------------------
+    def start(
+        self,
+        step: int,
+        bucket: int,
+        data: np.ndarray,
+        layer_position: float,
+        now: float,
+        *,
+        dtype: int | None = None,
+        pinned: bool = False,
+    ) -> None:
+        """Begin all-reducing ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
+
+        ``layer_position`` is 0 for the front layer (needed first next step), 1 for the last.
+        ``data`` is not modified; the result comes with the completion event.
+        """
+        wire_in, wdt = wire_view(data, dtype)
+        if (step, bucket) in self._running:
+            raise ValueError(f"step {step} bucket {bucket} is already being all-reduced")
+        ep = self.endpoint
+        ep.note_step(step)
+        n = wire_in.shape[0]
+        world, me = self.world, self.me
+        result = wire_in.copy()
+        rotated = self.config.rotate and wdt == DType.F32 and n > 0
+        if rotated:
+            kernels.hadamard_forward(
+                result, seed=self._seed(step, bucket), block=self.config.rotate_block
+            )
+        bounds = shard_bounds(n, world)
+        lo, hi = int(bounds[me]), int(bounds[me + 1])
+        chunk_elems = self.config.chunk_elems(wdt)
+        own_f32 = to_f32(result, wdt)
+        accum = own_f32[lo:hi].copy()
+        n_mine = -(-(hi - lo) // chunk_elems)
+        contrib = np.ones(n_mine, dtype=np.uint16)
+        original = result.view(data.dtype) if data.dtype != result.dtype else result
+        c = _Collective(
+            step,
+            bucket,
+            wdt,
+            layer_position,
+            pinned,
+            now,
+            original,
+            result,
+            own_f32,
+            bounds,
+            accum,
+            contrib,
+            rotated,
+        )
+        self._running[(step, bucket)] = c
+        if world == 1:
+            self._finish(c, now)
+            return
+        received = np.zeros((world, n_mine), dtype=np.uint8)
+        received[me] = 1
+        spec = TransferSpec(step, bucket, me, Phase.REDUCE, wdt, hi - lo, chunk_elems, 0, world)
+        senders = tuple(r for r in range(world) if r != me)
+        for j in range(world):
+            if j == me:
+                continue
+            jl, jh = int(bounds[j]), int(bounds[j + 1])
+            gspec = TransferSpec(step, bucket, j, Phase.GATHER, wdt, jh - jl, chunk_elems, j, j + 1)
+            grecv = np.zeros((1, gspec.n_chunks), dtype=np.uint8)
+            c.gather_received[j] = grecv
+            ep.receiver.expect(
+                InKey(step, bucket, j, Phase.GATHER),
+                gspec,
+                (j,),
+                result[jl:jh],
+                np.zeros(gspec.n_chunks, dtype=np.uint16),
+                grecv,
+                now,
+                ep.session,
+            )
+        for j in range(world):
+            if j != me:
+                jl, jh = int(bounds[j]), int(bounds[j + 1])
+                ep.sender.start(
+                    OutKey(step, bucket, j, Phase.REDUCE, j),
+                    result[jl:jh],
+                    wdt,
+                    layer_position,
+                    now,
+                    pinned,
+                )
+        ep.receiver.expect(
+            InKey(step, bucket, me, Phase.REDUCE),
+            spec,
+            senders,
+            accum,
+            contrib,
+            received,
+            now,
+            ep.session,
+        )
+        self._pump(now)
+
+    @property
+    def in_flight(self) -> int:
+        """Collectives started here and not yet completed or failed."""
+        return len(self._running)
+
+    # -- driver API (delegates to the endpoint, then advances collectives) -----------------------
+    def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
+        """Feed one datagram (see :class:`Endpoint`)."""
+        self.endpoint.receive_datagram(data, path, now)
+
+    def datagrams_to_send(self, now: float) -> list[Datagram]:
+        """Datagrams to send now (see :class:`Endpoint`)."""
+        self._pump(now)
+        return self.endpoint.datagrams_to_send(now)
+
+    def get_timer(self) -> float | None:
+        """Next time ``handle_timer`` must run."""
+        return self.endpoint.get_timer()
+
+    def handle_timer(self, now: float) -> None:
+        """Time-driven work of the endpoint, then of the collectives."""
+        self.endpoint.handle_timer(now)
+        self._pump(now)
+
+    def next_event(self) -> Event | None:
+        """Pop the next collective event."""
+        self._pump(self.endpoint._now)
+        return self._events.pop(0) if self._events else None
+
+    # -- internals --------------------------------------------------------------------------------
+    def _seed(self, step: int, bucket: int) -> int:
+        return (self.config.job * 0x9E3779B1 + step * 65537 + bucket) & 0x7FFFFFFFFFFFFFFF
+
+    def _pump(self, now: float) -> None:
+        """Advance collectives on the endpoint's events."""
+        while True:
+            ev = self.endpoint._events.popleft() if self.endpoint._events else None
+            if ev is None:
+                return
+            if isinstance(ev, TransferComplete):
+                self._on_transfer(ev.report, now)
+            elif isinstance(ev, PeerTimedOut):
+                self._fail(ev, now)
+
+    def _on_transfer(self, rep: LossReport, now: float) -> None:
+        c = self._running.get((rep.step, rep.bucket))
+        if c is None:
+            return
+        if rep.phase == Phase.REDUCE:
+            c.reduce_report = rep
+            self._start_gather(c, now)
+        else:
+            c.gather_reports[rep.shard] = rep
+        if c.reduce_report is not None and len(c.gather_reports) == self.world - 1:
+            self._finish(c, now)
+
+    def _start_gather(self, c: _Collective, now: float) -> None:
+        me, world = self.me, self.world
+        lo, hi = int(c.bounds[me]), int(c.bounds[me + 1])
+        chunk_elems = self.config.chunk_elems(c.dtype)
+        counts = chunk_counts(hi - lo, chunk_elems)
+        # Unbiased fill: every chunk is the mean of the contributions that arrived × world.
+        scale = np.repeat(world / np.maximum(c.contrib, 1).astype(np.float32), counts)
+        from_f32(c.accum * scale, c.dtype, c.result[lo:hi])
+        for j in range(world):
+            if j != me:
+                self.endpoint.sender.start(
+                    OutKey(c.step, c.bucket, me, Phase.GATHER, j),
+                    c.result[lo:hi],
+                    c.dtype,
+                    c.layer_position,
+                    now,
+                    c.pinned,
+                )
+
+    def _finish(self, c: _Collective, now: float) -> None:
+        world, chunk_elems = self.world, self.config.chunk_elems(c.dtype)
+        for j, grecv in c.gather_received.items():
+            missing = np.flatnonzero(grecv[0] == 0)
+            jl = int(c.bounds[j])
+            for ch in missing.tolist():  # rare: only chunks lost for good
+                a = jl + ch * chunk_elems
+                b = min(a + chunk_elems, int(c.bounds[j + 1]))
+                from_f32(c.own[a:b] * world, c.dtype, c.result[a:b])
+        if c.rotated:
+            kernels.hadamard_inverse(
+                c.result, seed=self._seed(c.step, c.bucket), block=self.config.rotate_block
+            )
+        del self._running[(c.step, c.bucket)]
+        empty = LossReport(c.step, c.bucket, self.me, Phase.REDUCE, 0, 0, {}, 0.0, False)
+        report = CollectiveReport(
+            step=c.step,
+            bucket=c.bucket,
+            duration=now - c.started,
+            reduce=c.reduce_report or empty,
+            gather=tuple(c.gather_reports[j] for j in sorted(c.gather_reports)),
+            sender=self.endpoint.sender.report(c.step, c.bucket),
+        )
+        self.endpoint.sender.forget_stats(c.step, c.bucket)
+        self._events.append(AllReduceComplete(c.step, c.bucket, c.original, report))
+
+    def _fail(self, ev: PeerTimedOut, now: float) -> None:
+        c = self._running.pop((ev.step, ev.bucket), None)
+        if c is None:
+            return
+        for j in range(self.world):
+            for phase in (Phase.REDUCE, Phase.GATHER):
+                self.endpoint.receiver.abort(InKey(c.step, c.bucket, j, phase))
+        self._events.append(AllReduceFailed(ev.step, ev.bucket, ev.error))

@@ -1,0 +1,536 @@
+"""Per-packet hot paths of gradlane, compiled with numba: pack, reduce, place, norms, Hadamard.
+
+Theory of operation
+-------------------
+Packets live in *arenas*: 2-D C-contiguous uint8 arrays, one datagram slot per row, rows a
+multiple of 8 bytes wide (so the 48-byte header and the payload are word aligned), with the
+datagram lengths in a separate int array. The sender packs a shard straight into an arena
+(:func:`pack`); the receiver hands a batch of received rows to :func:`reduce_into` (reduce phase,
+adds into a float32 accumulator) or :func:`place_into` (gather phase, copies bit-exactly).
+
+Each public function here checks dtypes, shapes, contiguity and alignment and raises
+``ValueError`` saying what to pass instead; the private kernels behind them trust their inputs.
+The kernels are single-threaded and release the GIL (``nogil``), so an engine thread can run them
+beside Python code. Remote bytes are never trusted: a receive kernel checks a datagram exactly like
+:func:`transport.packet.validate` — same :class:`~transport.packet.Reason`, same order — and
+writes nothing anywhere before every check, the tag included, has passed; a bad datagram only
+bumps its counter.
+
+Compilation flags come from one place, :class:`KernelConfig` (``GRADLANE_FASTMATH``), read once.
+Each kernel has a plain-NumPy reference in ``tests/unit/naive.py`` that the tests hold it to.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from transport import _kernels_hadamard as _had
+from transport import _kernels_pack as _pk
+from transport import _kernels_recv as _rx
+from transport._kernels_common import (
+    CONFIG,
+    MAGIC_VERSION_WORD,
+    KernelConfig,
+    header_template,
+)
+from transport.packet import (
+    HEADER_SIZE,
+    ITEMSIZE,
+    N_REASONS,
+    DType,
+    Header,
+    SessionSpec,
+    TransferSpec,
+)
+from transport.tag import TAG_FAST, TAG_SIPHASH, TagKey
+
+__all__ = [
+    "CONFIG",
+    "KernelConfig",
+    "chunk_norms",
+    "hadamard_forward",
+    "hadamard_inverse",
+    "pack",
+    "place_into",
+    "reduce_into",
+]
+
+_U8_MAX = 0xFF
+_U16_MAX = 0xFFFF
+_U32_MAX = 0xFFFFFFFF
+_U64_MAX = 0xFFFFFFFFFFFFFFFF
+_NO_F32 = np.empty(0, dtype=np.float32)
+_NO_U8 = np.empty(0, dtype=np.uint8)
+_NO_U16 = np.empty(0, dtype=np.uint16)
+#: One-element arrays for every u8 value, for per-chunk fields given as a scalar (step 0).
+_U8_SCALARS = np.arange(256, dtype=np.uint8).reshape(256, 1)
+_U8_SCALARS.flags.writeable = False
+
+#: dtypes a shard or output may have for each wire dtype (all raw bit views for 16-bit types).
+_SRC_DTYPES = {
+    DType.F32: (np.dtype(np.float32),),
+    DType.F16: (np.dtype(np.float16), np.dtype(np.uint16), np.dtype(np.int16)),
+    DType.BF16: (np.dtype(np.uint16), np.dtype(np.int16)),
+}
+_OUT_DTYPES = {
+    DType.F32: (np.dtype(np.float32), np.dtype(np.uint32)),
+    DType.F16: _SRC_DTYPES[DType.F16],
+    DType.BF16: _SRC_DTYPES[DType.BF16],
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+
+
+def _wire_dtype(dtype: int) -> DType:
+    try:
+        return DType(int(dtype))
+    except ValueError:
+        raise ValueError(f"dtype {dtype!r} is not a wire dtype; use one of {list(DType)}") from None
+
+
+def _array(name: str, a: object, ndim: int, *, writeable: bool = False) -> np.ndarray:
+    """``a`` as an aligned, C-contiguous ndarray of ``ndim`` dimensions, or ValueError."""
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous; pass np.ascontiguousarray({name})")
+    if not a.flags.aligned:
+        raise ValueError(f"{name} is not aligned to its itemsize; copy it into a fresh array")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only; the kernel writes into it")
+    return a
+
+
+def _typed(
+    name: str, a: object, dtype: type, shape: tuple[int, ...], *, writeable: bool = True
+) -> np.ndarray:
+    arr = _array(name, a, len(shape), writeable=writeable)
+    if arr.dtype != dtype:
+        raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {arr.dtype.name}")
+    if arr.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
+    return arr
+
+
+def _shard(name: str, src: object, dtype: DType) -> np.ndarray:
+    """The shard as its raw uint32 (F32) or uint16 (F16/BF16) bits, without copying."""
+    arr = _array(name, src, 1)
+    allowed = _SRC_DTYPES[dtype]
+    if arr.dtype not in allowed:
+        names = ", ".join(d.name for d in allowed)
+        raise ValueError(f"{name} for {dtype.name} must be one of ({names}), got {arr.dtype.name}")
+    return _readonly(arr.view(np.uint32 if dtype == DType.F32 else np.uint16))
+
+
+def _arena(arena: object, *, writeable: bool) -> np.ndarray:
+    arr = _array("arena", arena, 2, writeable=writeable)
+    if arr.dtype != np.uint8:
+        raise ValueError(f"arena must be uint8 (one datagram per row), got {arr.dtype.name}")
+    if arr.shape[1] % 8 or arr.shape[1] < HEADER_SIZE:
+        raise ValueError(
+            f"arena rows must be a multiple of 8 bytes and at least {HEADER_SIZE}, got "
+            f"{arr.shape[1]}; round the slot width up to a multiple of 8"
+        )
+    if arr.shape[0] and arr.ctypes.data % 8:
+        raise ValueError("arena must start on an 8-byte boundary; allocate it with np.zeros")
+    return arr
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (no copy).
+
+    Every input-only array reaches the kernels read-only: numba compiles a separate kernel for
+    read-only and writable arrays of the same type, so mixing them would multiply the
+    signatures (and the compile time) of each kernel.
+    """
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
+def _per_chunk_u8(name: str, value: np.ndarray | int, n_chunks: int) -> tuple[np.ndarray, int]:
+    """A per-chunk u8 field as (array, step): step 0 broadcasts a scalar."""
+    if isinstance(value, np.ndarray):
+        arr = _array(name, value, 1)
+        if arr.dtype.kind not in "ui":
+            raise ValueError(f"{name} must be an integer array, got {arr.dtype.name}")
+        if arr.shape[0] < n_chunks:
+            raise ValueError(f"{name} has {arr.shape[0]} entries for {n_chunks} chunks")
+        if arr.dtype != np.uint8:
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _U8_MAX):
+                raise ValueError(f"{name} values must be in 0..255")
+            arr = arr.astype(np.uint8)
+        return _readonly(arr), 1
+    v = int(value)
+    if not 0 <= v <= _U8_MAX:
+        raise ValueError(f"{name}={v} must be in 0..255")
+    return _U8_SCALARS[v], 0
+
+
+def _optional_f32(name: str, a: np.ndarray | None, n_chunks: int) -> np.ndarray:
+    if a is None:
+        return _NO_F32
+    arr = _array(name, a, 1, writeable=True)
+    if arr.dtype != np.float32 or arr.shape[0] < n_chunks:
+        raise ValueError(
+            f"{name} must be float32 with at least {n_chunks} entries, got "
+            f"{arr.dtype.name}{arr.shape}"
+        )
+    return arr
+
+
+def _in_range(name: str, value: int, hi: int) -> int:
+    v = int(value)
+    if not 0 <= v <= hi:
+        raise ValueError(f"{name}={v} is outside 0..{hi}")
+    return v
+
+
+@lru_cache(maxsize=64)
+def _key_parts(key: TagKey) -> tuple[int, np.uint64, np.uint64]:
+    if key.mode not in (TAG_FAST, TAG_SIPHASH):
+        raise ValueError(f"TagKey.mode={key.mode} must be TAG_FAST or TAG_SIPHASH")
+    return (
+        int(key.mode),
+        np.uint64(_in_range("key.k0", key.k0, _U64_MAX)),
+        np.uint64(_in_range("key.k1", key.k1, _U64_MAX)),
+    )
+
+
+@lru_cache(maxsize=1024)
+def _template(header: Header, dtype: DType) -> np.ndarray:
+    """The kernels' header template (``header_template`` of header u32 words 0..5)."""
+    t = np.zeros(6, dtype=np.uint32)
+    t[0] = MAGIC_VERSION_WORD | (_in_range("header.kind", header.kind, _U8_MAX) << 24)
+    t[1] = (int(dtype) << 16) | (_in_range("header.phase", header.phase, _U8_MAX) << 24)
+    t[2] = _in_range("header.job", header.job, _U32_MAX)
+    t[3] = _in_range("header.step", header.step, _U32_MAX)
+    t[4] = _in_range("header.bucket", header.bucket, _U16_MAX) | (
+        _in_range("header.shard", header.shard, _U16_MAX) << 16
+    )
+    t[5] = _in_range("header.src", header.src, _U16_MAX) | (
+        _in_range("header.dst", header.dst, _U16_MAX) << 16
+    )
+    tmpl = header_template(t)
+    tmpl.flags.writeable = False  # cached and shared
+    return tmpl
+
+
+@lru_cache(maxsize=256)
+def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.uint64, np.uint64]:
+    """The int64 spec array the receive kernels read, and the SipHash key (cached)."""
+    _wire_dtype(transfer.dtype)
+    if transfer.chunk_elems < 1 or transfer.n_elems < 0:
+        raise ValueError(
+            f"transfer needs chunk_elems >= 1 and n_elems >= 0, got {transfer.chunk_elems} "
+            f"and {transfer.n_elems}"
+        )
+    if not 0 <= transfer.src_lo < transfer.src_hi <= _U16_MAX + 1:
+        raise ValueError(
+            f"transfer ranks src_lo={transfer.src_lo}, src_hi={transfer.src_hi} must satisfy "
+            "0 <= src_lo < src_hi <= 65536"
+        )
+    mode, k0, k1 = _key_parts(session.key)
+    spec = np.zeros(_rx.SPEC_LEN, dtype=np.int64)
+    spec[_rx.S_JOB] = session.job
+    spec[_rx.S_ME] = session.me
+    spec[_rx.S_WORLD] = session.world
+    spec[_rx.S_STEP_LO] = session.step_lo
+    spec[_rx.S_STEP_HI] = session.step_hi
+    spec[_rx.S_N_BUCKETS] = session.n_buckets
+    spec[_rx.S_MAX_DATAGRAM] = session.max_datagram
+    spec[_rx.S_MODE] = mode
+    spec[_rx.S_T_STEP] = transfer.step
+    spec[_rx.S_T_BUCKET] = transfer.bucket
+    spec[_rx.S_T_SHARD] = transfer.shard
+    spec[_rx.S_T_PHASE] = transfer.phase
+    spec[_rx.S_T_DTYPE] = transfer.dtype
+    spec[_rx.S_T_N_ELEMS] = transfer.n_elems
+    spec[_rx.S_T_CHUNK_ELEMS] = transfer.chunk_elems
+    spec[_rx.S_T_SRC_LO] = transfer.src_lo
+    spec[_rx.S_T_SRC_HI] = transfer.src_hi
+    spec[_rx.S_T_N_CHUNKS] = transfer.n_chunks
+    spec.flags.writeable = False
+    return spec, k0, k1
+
+
+_all_rows = np.arange(1024, dtype=np.int64)
+_all_rows.flags.writeable = False
+
+
+def _identity_rows(n: int) -> np.ndarray:
+    """``arange(n)`` as int64, from a shared read-only cache (the batch without ``rows``)."""
+    global _all_rows  # noqa: PLW0603 - a grow-only cache; replacing the array is atomic
+    table = _all_rows
+    if table.shape[0] < n:
+        table = np.arange(max(n, 2 * table.shape[0]), dtype=np.int64)
+        table.flags.writeable = False
+        _all_rows = table
+    return table[:n]
+
+
+def _batch(
+    arena: np.ndarray,
+    lengths: object,
+    received: object,
+    session: SessionSpec,
+    transfer: TransferSpec,
+    counters: object,
+    rows: np.ndarray | None,
+    verdicts: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.uint64, np.uint64]:
+    """Common checks of the receive wrappers → (lengths, received, rows, verdicts, spec, k0, k1)."""
+    spec, k0, k1 = _spec(session, transfer)
+    n_rows = arena.shape[0]
+    lens = _array("lengths", lengths, 1)
+    if lens.dtype.kind not in "ui" or lens.shape[0] != n_rows:
+        raise ValueError(
+            f"lengths must be an integer array with one entry per arena row ({n_rows}), got "
+            f"{lens.dtype.name}{lens.shape}"
+        )
+    lens = _readonly(lens.astype(np.int64, copy=False))
+    recv = _array("received", received, 2, writeable=True)
+    if recv.dtype == np.bool_:
+        recv = recv.view(np.uint8)
+    want = (transfer.src_hi - transfer.src_lo, transfer.n_chunks)
+    if recv.dtype != np.uint8 or recv.shape != want:
+        raise ValueError(
+            f"received must be uint8 of shape (src_hi - src_lo, n_chunks) = {want}, got "
+            f"{recv.dtype.name}{recv.shape}"
+        )
+    _typed("counters", counters, np.int64, (N_REASONS,))
+    if rows is None:
+        idx = _identity_rows(n_rows)
+    else:
+        idx = _array("rows", rows, 1)
+        if idx.dtype.kind not in "ui":
+            raise ValueError(f"rows must be an integer array, got {idx.dtype.name}")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n_rows):
+            raise ValueError(f"rows must index arena rows 0..{n_rows - 1}")
+        idx = _readonly(idx.astype(np.int64, copy=False))
+    verd = _NO_U8 if verdicts is None else _typed("verdicts", verdicts, np.uint8, (idx.shape[0],))
+    return lens, recv, idx, verd, spec, k0, k1
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def pack(
+    src: np.ndarray,
+    arena: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    dtype: DType,
+    header: Header,
+    chunk_elems: int,
+    key: TagKey,
+    prio: np.ndarray | int = 0,
+    flags: np.ndarray | int = 0,
+    first_chunk: int = 0,
+    norms: np.ndarray | None = None,
+    maxabs: np.ndarray | None = None,
+) -> int:
+    """Pack a 1-D shard into DATA packets, one per arena row; returns the number of packets.
+
+    Chunk ``c`` is ``src[c*chunk_elems:(c+1)*chunk_elems]`` (the last may be short) and goes to
+    row ``c`` with ``chunk = first_chunk + c``, ``count``, ``dtype``, ``prio[c]``, ``flags[c]``
+    (or the scalars), ``norm`` = its L2 norm (computed in the same pass as the copy), ``aux = 0``,
+    and the tag under ``key``. The other header fields come from ``header`` (kind, job, step,
+    bucket, shard, src, dst, phase); its chunk/count/dtype/prio/flags/norm/aux/tag are ignored.
+    ``lengths[c]`` gets the datagram length; ``norms``/``maxabs`` (float32, optional) get the
+    chunk's L2 norm and max |x|.
+
+    ``src``: float32 for F32; float16/uint16/int16 bits for F16; uint16/int16 bits for BF16
+    (e.g. a bf16 torch tensor viewed as int16). ``arena``: 2-D uint8, C-contiguous, rows a
+    multiple of 8 bytes and at least ``48 + chunk_elems * itemsize``.
+    """
+    wire = _wire_dtype(dtype)
+    bits = _shard("src", src, wire)
+    item = ITEMSIZE[wire]
+    chunk_elems = int(chunk_elems)
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
+    rows = _arena(arena, writeable=True)
+    n_chunks = -(-bits.shape[0] // chunk_elems)
+    need = HEADER_SIZE + chunk_elems * item
+    if rows.shape[1] < need or rows.shape[0] < n_chunks:
+        raise ValueError(
+            f"arena of shape {rows.shape} cannot hold {n_chunks} packets of up to {need} bytes; "
+            f"allocate at least ({n_chunks}, {need + (-need) % 8})"
+        )
+    lens = _array("lengths", lengths, 1, writeable=True)
+    if lens.dtype not in (np.int64, np.int32) or lens.shape[0] < n_chunks:
+        raise ValueError(
+            f"lengths must be int64 or int32 with at least {n_chunks} entries, got "
+            f"{lens.dtype.name}{lens.shape}"
+        )
+    first = int(first_chunk)
+    if first < 0 or first + n_chunks - 1 > _U32_MAX or chunk_elems > _U32_MAX:
+        raise ValueError(f"chunk indices {first}..{first + n_chunks - 1} do not fit a u32")
+    prio_a, prio_step = _per_chunk_u8("prio", prio, n_chunks)
+    flags_a, flags_step = _per_chunk_u8("flags", flags, n_chunks)
+    norms_a = _optional_f32("norms", norms, n_chunks)
+    maxabs_a = _optional_f32("maxabs", maxabs, n_chunks)
+    tmpl = _template(header, wire)
+    mode, k0, k1 = _key_parts(key)
+    if n_chunks == 0:
+        return 0
+    if wire == DType.F32:
+        return int(
+            _pk.pack_f32(
+                bits, rows, lens, chunk_elems, tmpl, prio_a, prio_step, flags_a, flags_step,
+                first, mode, k0, k1, norms_a, maxabs_a,
+            )
+        )  # fmt: skip
+    return int(
+        _pk.pack_u16(
+            bits, rows, lens, chunk_elems, tmpl, prio_a, prio_step, flags_a, flags_step,
+            first, mode, k0, k1, norms_a, maxabs_a, wire == DType.BF16,
+        )
+    )  # fmt: skip
+
+
+def reduce_into(
+    arena: np.ndarray,
+    lengths: np.ndarray,
+    accum: np.ndarray,
+    contrib: np.ndarray,
+    received: np.ndarray,
+    *,
+    session: SessionSpec,
+    transfer: TransferSpec,
+    counters: np.ndarray,
+    rows: np.ndarray | None = None,
+    verdicts: np.ndarray | None = None,
+) -> int:
+    """Validate a batch of received datagrams and add the good DATA payloads; returns accepted.
+
+    The batch is every arena row, or the rows listed in ``rows``; ``lengths`` has one datagram
+    length per arena row. Each is checked exactly like ``packet.validate(data, session,
+    transfer)`` (same Reason, same order); a packet it accepts that is not DATA gets BAD_KIND (route
+    control packets elsewhere), and one whose ``received[src - transfer.src_lo, chunk]`` is set
+    gets DUPLICATE. A good packet is added into ``accum`` (float32, ``transfer.n_elems``; f16/bf16
+    converted) at ``chunk * chunk_elems``, ``contrib[chunk] += 1`` (uint16, one per chunk) and its
+    ``received`` entry (uint8 or bool, ``(src_hi - src_lo, n_chunks)``) is set. ``counters``
+    (int64, one per Reason) gets +1 at each item's Reason (OK counts accepted); ``verdicts``
+    (uint8, one per item, optional) gets it too. A datagram longer than its row is OVERSIZED.
+    """
+    rows_a = _readonly(_arena(arena, writeable=False))
+    lens, recv, idx, verd, spec, k0, k1 = _batch(
+        rows_a, lengths, received, session, transfer, counters, rows, verdicts
+    )
+    acc = _typed("accum", accum, np.float32, (transfer.n_elems,))
+    con = _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
+    if transfer.dtype == DType.F32:
+        return int(_rx.reduce_f32(rows_a, lens, idx, spec, k0, k1, acc, con, recv, counters, verd))
+    return int(
+        _rx.reduce_u16(
+            rows_a, lens, idx, spec, k0, k1, acc, con, recv, counters, verd,
+            transfer.dtype == DType.BF16,
+        )
+    )  # fmt: skip
+
+
+def place_into(
+    arena: np.ndarray,
+    lengths: np.ndarray,
+    out: np.ndarray,
+    received: np.ndarray,
+    *,
+    session: SessionSpec,
+    transfer: TransferSpec,
+    counters: np.ndarray,
+    contrib: np.ndarray | None = None,
+    rows: np.ndarray | None = None,
+    verdicts: np.ndarray | None = None,
+) -> int:
+    """Gather phase of :func:`reduce_into`: copy each good payload bit-exactly into ``out``.
+
+    ``out`` has ``transfer.n_elems`` elements of the wire type: float32 (or uint32 bits) for F32;
+    uint16/int16/float16 for F16; uint16/int16 for BF16. Validation, ``received``, ``counters``,
+    ``verdicts`` and ``rows`` are as in :func:`reduce_into`; ``contrib`` is optional.
+    """
+    rows_a = _readonly(_arena(arena, writeable=False))
+    lens, recv, idx, verd, spec, k0, k1 = _batch(
+        rows_a, lengths, received, session, transfer, counters, rows, verdicts
+    )
+    wire = DType(transfer.dtype)
+    out_a = _array("out", out, 1, writeable=True)
+    if out_a.dtype not in _OUT_DTYPES[wire] or out_a.shape != (transfer.n_elems,):
+        names = ", ".join(d.name for d in _OUT_DTYPES[wire])
+        raise ValueError(
+            f"out for {wire.name} must be one of ({names}) with shape ({transfer.n_elems},), got "
+            f"{out_a.dtype.name}{out_a.shape}"
+        )
+    con = (
+        _NO_U16 if contrib is None else _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
+    )
+    wide = wire == DType.F32
+    bits = out_a.view(np.uint32 if wide else np.uint16)
+    words = rows_a.view(np.uint32 if wide else np.uint16)
+    return int(
+        _rx.place_rows(rows_a, words, lens, idx, spec, k0, k1, bits, con, recv, counters, verd)
+    )
+
+
+def chunk_norms(
+    src: np.ndarray, *, dtype: DType, chunk_elems: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-chunk (L2 norm, max |x|) of a shard, as float32 arrays, without packing it.
+
+    ``src`` and ``chunk_elems`` as in :func:`pack`; the values equal what :func:`pack` writes.
+    """
+    wire = _wire_dtype(dtype)
+    bits = _shard("src", src, wire)
+    chunk_elems = int(chunk_elems)
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
+    n_chunks = -(-bits.shape[0] // chunk_elems)
+    norms = np.empty(n_chunks, dtype=np.float32)
+    maxabs = np.empty(n_chunks, dtype=np.float32)
+    if n_chunks:
+        if wire == DType.F32:
+            _pk.chunk_norms_f32(bits, chunk_elems, norms, maxabs)
+        else:
+            _pk.chunk_norms_u16(bits, chunk_elems, norms, maxabs, wire == DType.BF16)
+    return norms, maxabs
+
+
+def _hadamard_args(x: np.ndarray, seed: int, block: int) -> tuple[np.ndarray, np.uint64, int]:
+    arr = _array("x", x, 1, writeable=True)
+    if arr.dtype != np.float32:
+        raise ValueError(f"x must be float32, got {arr.dtype.name}")
+    block = int(block)
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block={block} must be a power of two >= 1")
+    return arr, np.uint64(_in_range("seed", seed, _U64_MAX)), block
+
+
+def hadamard_forward(x: np.ndarray, *, seed: int, block: int = 1024) -> None:
+    """Randomized Hadamard rotation ``y = H·D·x`` of a float32 vector, in place.
+
+    Blockwise over contiguous blocks of ``block`` (a power of two) elements; a tail shorter than
+    ``block`` uses the largest power-of-two blocks that fit, down to 1. ``D`` holds ±1 signs
+    derived from ``(seed, element index within x)`` by a counter hash, identical on every rank;
+    ``H`` is orthonormal. Linear, so rotating each rank's bucket and summing equals rotating
+    the sum; :func:`hadamard_inverse` with the same seed and block undoes it.
+    """
+    arr, s, b = _hadamard_args(x, seed, block)
+    if arr.shape[0]:
+        _had.hadamard(arr, s, b, False)
+
+
+def hadamard_inverse(x: np.ndarray, *, seed: int, block: int = 1024) -> None:
+    """Inverse of :func:`hadamard_forward` (``x = D·H·y``), in place."""
+    arr, s, b = _hadamard_args(x, seed, block)
+    if arr.shape[0]:
+        _had.hadamard(arr, s, b, True)

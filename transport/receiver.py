@@ -1,0 +1,539 @@
+"""Sans-I/O receiver core: validates and reduces DATA, acknowledges, decides completion.
+
+Theory of operation
+-------------------
+An *incoming transfer* is one shard (step, bucket, shard, phase) that several senders (reduce
+phase) or one sender (gather phase) deliver to this rank. Its owner (the collective) allocates
+the target: a float32 accumulator plus contributor counts for the reduce phase, the result's
+slice for the gather phase. Batches of DATA packets go through one numba kernel call that
+validates every field and the tag before writing (``reduce_into`` / ``place_into``).
+
+Acknowledgements are full per-sender bitmaps, sent after ``ack_every`` new packets or
+``ack_delay_s``; each names the chunk that triggered it so the sender can sample the RTT.
+
+Completion, checked after each batch and on timers, in this order:
+
+1. every chunk of every sender arrived → COMPLETE (lossless);
+2. every chunk arrived or was given up by its sender (FIN), each sender's given-up part within
+   the phase's loss bound and none of it protected → COMPLETE at once, no deadline wait;
+3. otherwise the loss policy decides from the chunk state and the deadlines (soft: complete if
+   within the bound with every protected chunk; hard: degrade or fail). While it says CONTINUE
+   after the soft deadline, the chunks it still needs are NACKed to their senders.
+
+A finished transfer is remembered for ``linger_s`` so late DATA is answered with STOP instead of
+being reduced twice. DATA for a transfer this rank has not started yet (a faster peer) is held,
+within ``early_buffer_bytes``, and replayed when it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from scheduling.loss import Decision, LossPolicy
+from transport import kernels
+from transport.config import TransportConfig
+from transport.errors import PeerTimeout
+from transport.events import Datagram, Event, LossReport, PeerTimedOut, TransferComplete
+from transport.packet import (
+    HEADER_DTYPE,
+    N_REASONS,
+    Kind,
+    Phase,
+    Reason,
+    SessionSpec,
+    TransferSpec,
+    chunk_counts,
+)
+
+__all__ = ["InKey", "InTransfer", "ReceiverCore"]
+
+log = logging.getLogger(__name__)
+
+
+class InKey(NamedTuple):
+    """Identity of an incoming transfer."""
+
+    step: int
+    bucket: int
+    shard: int
+    phase: int
+
+
+class InTransfer:
+    """State of one incoming shard. ``target`` is the accumulator (reduce) or output (gather)."""
+
+    def __init__(
+        self,
+        key: InKey,
+        spec: TransferSpec,
+        senders: tuple[int, ...],
+        target: np.ndarray,
+        contrib: np.ndarray,
+        received: np.ndarray,
+        started: float,
+        tos: int,
+    ) -> None:
+        self.key = key
+        self.spec = spec
+        self.senders = senders
+        self.target = target
+        self.contrib = contrib
+        self.received = received
+        self.started = started
+        self.counts = chunk_counts(spec.n_elems, spec.chunk_elems)
+        n_src = received.shape[0]
+        n = spec.n_chunks
+        rows = np.array([s - spec.src_lo for s in senders], dtype=np.int64)
+        self.rows = rows
+        self.expected = n * len(senders)
+        self.got = int(received[rows].sum()) if n else 0
+        self.protected = np.zeros((n_src, n), dtype=bool)
+        self.manifest_known = np.zeros(n_src, dtype=bool)
+        self.abandoned = np.zeros((n_src, n), dtype=bool)
+        self.fin = np.zeros(n_src, dtype=bool)
+        self.new_since_ack = np.zeros(n_src, dtype=np.int64)
+        self.ack_due = np.full(n_src, np.inf)
+        self.trigger = np.zeros(n_src, dtype=np.int64)
+        self.trigger_at = np.zeros(n_src, dtype=np.float64)
+        self.path = np.zeros(n_src, dtype=np.int64)
+        self.nack_at = -np.inf
+        self.check_at = np.inf
+        self.bytes_received = 0
+        self.duplicates = 0
+        self.rejected = 0
+        self.done = False
+        self.tos = tos
+
+    @property
+    def gather(self) -> bool:
+        """True for the gather phase (place, do not add)."""
+        return self.key.phase in (Phase.GATHER, Phase.PULL)
+
+    def missing_elems(self) -> dict[int, int]:
+        """Elements not received, per sender."""
+        return {
+            s: int(self.counts[self.received[s - self.spec.src_lo] == 0].sum())
+            for s in self.senders
+        }
+
+
+class ReceiverCore:
+    """All incoming transfers of one rank.
+
+    ``encode(kind, key, dst, chunk=, count=, payload=, aux=, flags=)`` builds control packets;
+    ``emit(event)`` queues an event for the endpoint's driver.
+    """
+
+    def __init__(
+        self,
+        me: int,
+        world: int,
+        config: TransportConfig,
+        loss: LossPolicy,
+        encode: Callable[..., bytes],
+        emit: Callable[[Event], None],
+        control_tos: int,
+    ) -> None:
+        self.me = me
+        self.world = world
+        self.config = config
+        self.loss = loss
+        self.encode = encode
+        self.emit = emit
+        self.tos = control_tos
+        self.transfers: dict[InKey, InTransfer] = {}
+        self.tombstones: dict[InKey, float] = {}
+        self.early: dict[InKey, dict[tuple[int, int], bytes]] = {}
+        self.early_control: dict[InKey, list[tuple[bytes, int]]] = {}
+        self.early_bytes = 0
+        self.counters = np.zeros(N_REASONS, dtype=np.int64)
+        self.late = 0
+        self.early_dropped = 0
+        self._out: list[Datagram] = []
+        self._stop_sent: dict[tuple[InKey, int], float] = {}
+        self._ack_pending: dict[InKey, InTransfer] = {}
+        self._soft_seen = (loss.soft_deadline(False), loss.soft_deadline(True))
+
+    # -- set-up ----------------------------------------------------------------------------
+    def expect(
+        self,
+        key: InKey,
+        spec: TransferSpec,
+        senders: tuple[int, ...],
+        target: np.ndarray,
+        contrib: np.ndarray,
+        received: np.ndarray,
+        now: float,
+        session: SessionSpec,
+    ) -> InTransfer:
+        """Start receiving ``key`` into ``target``; replays any packets that came early."""
+        t = InTransfer(key, spec, senders, target, contrib, received, now, self.tos)
+        self.transfers[key] = t
+        self._refresh_check(t)
+        held = self.early.pop(key, None)
+        if held:
+            self.early_bytes -= sum(len(b) for b in held.values())
+            self._replay(t, list(held.values()), now, session)
+        for data, path in self.early_control.pop(key, []):
+            self.on_control(data, path, now, t_hint=t)
+        self._check(t, now)
+        return t
+
+    def _replay(
+        self, t: InTransfer, packets: list[bytes], now: float, session: SessionSpec
+    ) -> None:
+        slot = self.config.slot_bytes
+        arena = np.zeros((len(packets), slot), dtype=np.uint8)
+        lengths = np.zeros(len(packets), dtype=np.int32)
+        paths = np.zeros(len(packets), dtype=np.int64)
+        for i, b in enumerate(packets):
+            arena[i, : len(b)] = np.frombuffer(b, dtype=np.uint8)
+            lengths[i] = len(b)
+        self.on_data(t, arena, lengths, np.arange(len(packets)), paths, now, session)
+
+    # -- input --------------------------------------------------------------------------------
+    def on_data(
+        self,
+        t: InTransfer,
+        arena: np.ndarray,
+        lengths: np.ndarray,
+        rows: np.ndarray,
+        paths: np.ndarray,
+        now: float,
+        session: SessionSpec,
+    ) -> None:
+        """Reduce (or place) a batch of DATA rows of ``arena`` belonging to ``t``."""
+        verdicts = np.zeros(rows.shape[0], dtype=np.uint8)
+        if t.gather:
+            accepted = kernels.place_into(
+                arena,
+                lengths,
+                t.target,
+                t.received,
+                session=session,
+                transfer=t.spec,
+                counters=self.counters,
+                contrib=t.contrib,
+                rows=rows,
+                verdicts=verdicts,
+            )
+        else:
+            accepted = kernels.reduce_into(
+                arena,
+                lengths,
+                t.target,
+                t.contrib,
+                t.received,
+                session=session,
+                transfer=t.spec,
+                counters=self.counters,
+                rows=rows,
+                verdicts=verdicts,
+            )
+        t.duplicates += int(np.count_nonzero(verdicts == Reason.DUPLICATE))
+        t.rejected += int(
+            np.count_nonzero((verdicts != Reason.OK) & (verdicts != Reason.DUPLICATE))
+        )
+        if accepted:
+            ok = rows[verdicts == Reason.OK]
+            hdr = arena[ok, :48]
+            src = hdr[:, 20].astype(np.int64) | (hdr[:, 21].astype(np.int64) << 8)
+            chunk = (hdr[:, 24:28].astype(np.int64) << np.array([0, 8, 16, 24])).sum(axis=1)
+            r = src - t.spec.src_lo
+            t.got += int(accepted)
+            t.bytes_received += int(lengths[ok].sum())
+            np.add.at(t.new_since_ack, r, 1)
+            # The newest arrival per sender triggers its ACK (RTT sample) and picks its path.
+            t.trigger[r] = chunk
+            t.trigger_at[r] = now
+            t.path[r] = paths[ok]
+            first = np.isinf(t.ack_due[r])
+            t.ack_due[r[first]] = now + self.config.ack_delay_s
+            self._ack_pending[t.key] = t
+        dup = rows[verdicts == Reason.DUPLICATE]
+        if dup.size:
+            # A duplicate means our ACK was lost or late: acknowledge again soon.
+            hdr = arena[dup, :48]
+            src = hdr[:, 20].astype(np.int64) | (hdr[:, 21].astype(np.int64) << 8)
+            r = src - t.spec.src_lo
+            valid = (r >= 0) & (r < t.received.shape[0])
+            t.ack_due[r[valid]] = np.minimum(t.ack_due[r[valid]], now + self.config.ack_delay_s)
+            self._ack_pending[t.key] = t
+        if t.got >= t.expected:
+            self._complete(t, now, degraded=False)
+            return
+        for row in np.flatnonzero(t.new_since_ack >= self.config.ack_every).tolist():
+            self._ack(t, row, now)
+        if t.fin.any():
+            self._check(t, now)
+
+    def on_control(
+        self,
+        data: bytes | memoryview,
+        path: int,
+        now: float,
+        t_hint: InTransfer | None = None,
+        header: dict | None = None,
+    ) -> None:
+        """MANIFEST or FIN from a sender (already validated by the endpoint)."""
+        h = header if header is not None else _fields(data)
+        key = InKey(h["step"], h["bucket"], h["shard"], h["phase"])
+        t = t_hint or self.transfers.get(key)
+        if t is None:
+            if key not in self.tombstones:
+                self.early_control.setdefault(key, []).append((bytes(data), path))
+            return
+        if t.done:
+            return
+        r = h["src"] - t.spec.src_lo
+        if not 0 <= r < t.received.shape[0] or h["count"] != t.spec.n_chunks:
+            self.counters[Reason.COUNT_MISMATCH] += 1
+            return
+        bits = np.unpackbits(
+            np.frombuffer(data, dtype=np.uint8)[48:], count=h["count"], bitorder="little"
+        ).astype(bool)
+        if h["kind"] == Kind.MANIFEST:
+            t.protected[r] = bits
+            t.manifest_known[r] = True
+            t.ack_due[r] = min(t.ack_due[r], now)  # tell the sender we have it
+            self._ack_pending[t.key] = t
+        else:  # FIN: the sender gave these chunks up
+            t.abandoned[r] = bits & (t.received[r] == 0)
+            t.fin[r] = True
+            self._check(t, now)
+
+    def on_unknown_data(self, key: InKey, src: int, chunk: int, data: bytes, now: float) -> None:
+        """DATA (validated at session level) for a transfer that is not running here."""
+        if key in self.tombstones:
+            self.late += 1
+            last = self._stop_sent.get((key, src), -np.inf)
+            if now - last >= self.config.min_rto_s:
+                self._stop_sent[(key, src)] = now
+                self._out.append(Datagram(self.encode(Kind.STOP, key, src), src, 0, self.tos))
+            return
+        if self.early_bytes + len(data) > self.config.early_buffer_bytes:
+            self.early_dropped += 1
+            return
+        held = self.early.setdefault(key, {})
+        if (src, chunk) not in held:
+            held[(src, chunk)] = data
+            self.early_bytes += len(data)
+
+    # -- output and time ---------------------------------------------------------------------
+    def datagrams_to_send(self, now: float) -> list[Datagram]:
+        """ACKs that are due, NACKs, STOPs."""
+        for t in list(self._ack_pending.values()):
+            if t.done:
+                self._ack_pending.pop(t.key, None)
+                continue
+            for r in np.flatnonzero(t.ack_due <= now).tolist():
+                self._ack(t, r, now)
+        out, self._out = self._out, []
+        return out
+
+    def get_timer(self) -> float | None:
+        """Earliest ACK due, soft/hard deadline or NACK repeat, or tombstone expiry."""
+        best = min((t.check_at for t in self.transfers.values()), default=np.inf)
+        for t in self._ack_pending.values():
+            best = min(best, float(t.ack_due.min()))
+        if self.tombstones:
+            best = min(best, next(iter(self.tombstones.values())) + self.config.linger_s)
+        return None if best == np.inf else float(best)
+
+    def handle_timer(self, now: float) -> None:
+        """Deadlines and policy decisions; forget old tombstones."""
+        for t in list(self.transfers.values()):
+            if not t.done and now >= t.check_at:
+                self._check(t, now)
+                if not t.done:
+                    self._refresh_check(t)
+        linger = self.config.linger_s
+        while self.tombstones:
+            key, at = next(iter(self.tombstones.items()))
+            if now < at + linger:
+                break
+            del self.tombstones[key]
+            for s in range(self.world):
+                self._stop_sent.pop((key, s), None)
+
+    def abort(self, key: InKey) -> None:
+        """Forget a transfer without completing it (its collective failed)."""
+        t = self.transfers.pop(key, None)
+        if t is not None:
+            t.done = True
+
+    # -- internals ---------------------------------------------------------------------------
+    def _refresh_check(self, t: InTransfer) -> None:
+        """When the policy must next look at ``t`` without new packets.
+
+        The soft deadline adapts (it may move later after a NACK went out): re-check at the later
+        of it and the NACK repeat, never in the past of both; the hard deadline caps it.
+        """
+        soft = t.started + self.loss.soft_deadline(t.gather)
+        hard = t.started + self.config.loss.hard_deadline_s
+        t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval()))
+
+    def _nack_interval(self) -> float:
+        return max(self.config.min_rto_s, 4 * self.config.ack_delay_s)
+
+    def _ack(self, t: InTransfer, r: int, now: float) -> None:
+        src = int(r + t.spec.src_lo)
+        bits = t.received[r] != 0
+        flags = 2 if t.manifest_known[r] else 0  # Flags.PROTECTED: "manifest received"
+        max_bits = self.config.chunk_bytes * 8
+        for base in range(0, max(bits.shape[0], 1), max_bits):
+            part = bits[base : base + max_bits]
+            payload = np.packbits(part, bitorder="little").tobytes()
+            data = self.encode(
+                Kind.ACK,
+                t.key,
+                src,
+                chunk=base,
+                count=int(part.shape[0]),
+                payload=payload,
+                aux=int(t.trigger[r]),
+                flags=flags,
+                norm=max(now - float(t.trigger_at[r]), 0.0),
+            )
+            self._out.append(Datagram(data, src, int(t.path[r]), self.tos))
+        t.new_since_ack[r] = 0
+        t.ack_due[r] = np.inf
+        if np.isinf(t.ack_due).all():
+            self._ack_pending.pop(t.key, None)
+
+    def _check(self, t: InTransfer, now: float) -> None:
+        if t.done:
+            return
+        if t.got >= t.expected:
+            self._complete(t, now, degraded=False)
+            return
+        gather = t.gather
+        budget = self.loss.budget_elems(gather=gather, expected_elems=t.spec.n_elems)
+        rows = t.rows
+        got = t.received[rows] != 0
+        # A sender is settled when everything arrived, or it sent FIN and the rest arrived.
+        complete_rows = got.all(axis=1)
+        settled_rows = complete_rows | (t.fin[rows] & (got | t.abandoned[rows]).all(axis=1))
+        if t.fin[rows].any() and settled_rows.all():
+            lost = ~got
+            lost_elems = (lost * t.counts).sum(axis=1)
+            prot_lost = (lost & t.protected[rows]).any()
+            if not prot_lost and np.all(lost_elems <= budget):
+                self._complete(t, now, degraded=False)
+                return
+        verdict = self.loss.decide(
+            gather=gather,
+            received=[t.received[r] != 0 for r in rows],
+            chunk_elems=[t.counts for _ in rows],
+            protected=[t.protected[r] if t.manifest_known[r] else None for r in rows],
+            prio=[None for _ in rows],
+            started=t.started,
+            now=now,
+        )
+        if verdict.decision == Decision.COMPLETE:
+            self._complete(t, now, degraded=False)
+        elif verdict.decision == Decision.COMPLETE_DEGRADED:
+            self._complete(t, now, degraded=True)
+        elif verdict.decision == Decision.FAIL:
+            missing = tuple(s for s, m in t.missing_elems().items() if m)
+            err = PeerTimeout(
+                missing, t.key.step, t.key.bucket, Phase(t.key.phase).name.lower(), now - t.started
+            )
+            self._finish(t, now)
+            self.emit(PeerTimedOut(err, t.key.step, t.key.bucket))
+        elif now >= t.started + self.loss.soft_deadline(gather):
+            self._nack(t, verdict.need, now)
+
+    def _nack(self, t: InTransfer, need: object, now: float) -> None:
+        """Ask senders for the chunks the policy still needs (at most once per interval)."""
+        if now < t.nack_at + self._nack_interval():
+            return
+        t.nack_at = now
+        src_idx, chunks = _need_arrays(need)
+        if src_idx.size == 0:
+            # Nothing specific is needed (e.g. waiting for a manifest): re-ACK everyone so
+            # senders learn what is missing and resend the manifest.
+            for r in t.rows:
+                self._ack(t, int(r), now)
+            return
+        for i in np.unique(src_idx):
+            r = int(t.rows[i])
+            src = int(r + t.spec.src_lo)
+            bits = np.zeros(t.spec.n_chunks, dtype=bool)
+            bits[chunks[src_idx == i]] = True
+            data = self.encode(
+                Kind.NACK,
+                t.key,
+                src,
+                chunk=0,
+                count=t.spec.n_chunks,
+                payload=np.packbits(bits, bitorder="little").tobytes(),
+            )
+            self._out.append(Datagram(data, src, int(t.path[r]), self.tos))
+
+    def _complete(self, t: InTransfer, now: float, degraded: bool) -> None:
+        missing = t.missing_elems()
+        n = t.spec.n_elems
+        report = LossReport(
+            step=t.key.step,
+            bucket=t.key.bucket,
+            shard=t.key.shard,
+            phase=t.key.phase,
+            expected_elems=n * len(t.senders),
+            missing_elems=sum(missing.values()),
+            delivered={s: (1.0 - m / n) if n else 1.0 for s, m in missing.items()},
+            duration=now - t.started,
+            degraded=degraded,
+            bytes_received=t.bytes_received,
+            duplicates=t.duplicates,
+            rejected=t.rejected,
+            protected_missing=int(((t.received[t.rows] == 0) & t.protected[t.rows]).sum()),
+        )
+        self.loss.record(
+            gather=t.gather, duration=report.duration, lossless=report.missing_elems == 0
+        )
+        soft = (self.loss.soft_deadline(False), self.loss.soft_deadline(True))
+        if any(abs(a - b) > 0.05 * b for a, b in zip(soft, self._soft_seen, strict=True)):
+            # The adaptive soft deadline moved noticeably: re-derive every transfer's check
+            # time (small moves are left for the next check, which re-derives it anyway).
+            self._soft_seen = soft
+            for other in self.transfers.values():
+                self._refresh_check(other)
+        self._finish(t, now)
+        self.emit(TransferComplete(report))
+
+    def _finish(self, t: InTransfer, now: float) -> None:
+        t.done = True
+        self.transfers.pop(t.key, None)
+        self._ack_pending.pop(t.key, None)
+        self.tombstones[t.key] = now
+        for s in t.senders:
+            self._out.append(
+                Datagram(
+                    self.encode(Kind.STOP, t.key, s), s, int(t.path[s - t.spec.src_lo]), self.tos
+                )
+            )
+            self._stop_sent[(t.key, s)] = now
+
+
+def _need_arrays(need: object) -> tuple[np.ndarray, np.ndarray]:
+    """Normalise the policy's ``need`` (pairs or a pair of arrays) to (sender index, chunk)."""
+    if isinstance(need, tuple) and len(need) == 2 and isinstance(need[0], np.ndarray):
+        return need[0].astype(np.int64), need[1].astype(np.int64)
+    pairs = list(need) if need is not None else []  # type: ignore[call-overload]
+    if not pairs:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    return arr[:, 0], arr[:, 1]
+
+
+def _fields(data: bytes | memoryview) -> dict:
+    rec = np.frombuffer(data, dtype=np.uint8)[:48].view(HEADER_DTYPE)[0]
+    return {
+        name: int(rec[name])
+        for name in ("kind", "step", "bucket", "shard", "phase", "src", "count")
+    }

@@ -1,0 +1,705 @@
+"""Sans-I/O sender core: packs shards, sends them in priority order, retransmits what is missing.
+
+Theory of operation
+-------------------
+An *outgoing transfer* is one shard (step, bucket, shard, phase) for one peer. At start the shard
+is classified (priority policy on per-chunk norms and the bucket's layer position) and packed
+once into an arena of ready packets; the user's buffer is free again as soon as ``start``
+returns. Per-chunk state lives in numpy arrays (STYLE rule 3):
+
+=========  ================================================================================
+state      meaning
+=========  ================================================================================
+PENDING    never sent
+INFLIGHT   sent, not acknowledged
+LOST       declared lost (RACK on the same path or RTO) and queued for retransmission
+ACKED      the receiver has it
+ABANDONED  skipped on purpose (droppable and late) or a tolerated loss, within the budget
+=========  ================================================================================
+
+Sending order is global: a heap over transfers keyed by (class of the next chunk, layer
+position, creation order), so a front-layer bucket preempts a back-layer one and protected chunks
+of any bucket go first; retransmissions of a class go before new chunks of that class. Bytes
+toward a peer are paced per path and spread over paths by :class:`scheduling.paths.PathSet`.
+
+With a loss bound, the sender tells the receiver its protected chunks (MANIFEST, repeated until
+an ACK carries the PROTECTED flag) and, when it has nothing left to send but abandoned chunks, a
+FIN with their bitmap so the receiver can complete at once instead of waiting for a deadline.
+A STOP from the receiver, all chunks acknowledged, or the hard deadline ends the transfer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import numpy as np
+
+from scheduling.loss import LossPolicy
+from scheduling.pacing import Pacer
+from scheduling.paths import PathSet
+from scheduling.priority import PriorityPolicy, send_order_key
+from transport import kernels
+from transport.config import TransportConfig
+from transport.events import Datagram, SenderReport
+from transport.packet import DType, Flags, Header, Kind, Phase, chunk_counts
+
+__all__ = ["OutKey", "OutTransfer", "SenderCore"]
+
+log = logging.getLogger(__name__)
+
+PENDING, INFLIGHT, LOST, ACKED, ABANDONED = 0, 1, 2, 3, 4
+
+
+class OutKey(NamedTuple):
+    """Identity of an outgoing transfer."""
+
+    step: int
+    bucket: int
+    shard: int
+    phase: int
+    dst: int
+
+
+@dataclass
+class _ClassStats:
+    sent: np.ndarray
+    dropped: np.ndarray
+    retransmitted: np.ndarray
+    bytes_sent: int = 0
+
+
+class OutTransfer:
+    """State of one outgoing shard (arrays per chunk). Created by :meth:`SenderCore.start`."""
+
+    def __init__(
+        self,
+        key: OutKey,
+        seq: int,
+        data: np.ndarray,
+        dtype: int,
+        layer_position: float,
+        now: float,
+        core: SenderCore,
+        pinned: bool,
+    ) -> None:
+        cfg = core.config
+        self.key = key
+        self.seq = seq
+        self.layer_position = float(layer_position)
+        self.started = now
+        self.hard_deadline = now + cfg.loss.hard_deadline_s
+        gather = key.phase == Phase.GATHER
+        self.chunk_elems = cfg.chunk_elems(dtype)
+        self.n_elems = int(data.shape[0])
+        self.counts = chunk_counts(self.n_elems, self.chunk_elems)
+        n = self.n_chunks = int(self.counts.shape[0])
+        norms, _ = kernels.chunk_norms(data, dtype=DType(dtype), chunk_elems=self.chunk_elems)
+        classes = core.priority.classify(norms=norms, layer_position=layer_position, pinned=pinned)
+        self.prio = np.ascontiguousarray(classes.prio, dtype=np.uint8)
+        self.protected = np.asarray(classes.protected, dtype=bool)
+        self.droppable = np.asarray(classes.droppable, dtype=bool) & ~self.protected
+        flags = np.where(self.protected, np.uint8(Flags.PROTECTED), np.uint8(0)).astype(np.uint8)
+        flags |= np.where(self.droppable, np.uint8(Flags.DROPPABLE), np.uint8(0)).astype(np.uint8)
+        if n:
+            flags[-1] |= np.uint8(Flags.LAST)
+        self.arena = np.empty((max(n, 1), cfg.slot_bytes), dtype=np.uint8)
+        self.lengths = np.zeros(max(n, 1), dtype=np.int32)
+        header = Header(
+            kind=Kind.DATA,
+            job=cfg.job,
+            step=key.step,
+            bucket=key.bucket,
+            shard=key.shard,
+            src=core.me,
+            dst=key.dst,
+            phase=key.phase,
+            dtype=dtype,
+        )
+        if n:
+            kernels.pack(
+                data,
+                self.arena,
+                self.lengths,
+                dtype=DType(dtype),
+                header=header,
+                chunk_elems=self.chunk_elems,
+                key=core.key,
+                prio=self.prio,
+                flags=flags,
+            )
+        self.state = np.zeros(n, dtype=np.uint8)
+        self.sent_at = np.zeros(n, dtype=np.float64)
+        self.path = np.zeros(n, dtype=np.int16)
+        self.tx = np.zeros(n, dtype=np.uint8)
+        # Send order: by class, then chunk index; the layer position is per transfer (heap key).
+        self.order = np.argsort(
+            send_order_key(self.prio, self.layer_position, np.arange(n)), kind="stable"
+        ).astype(np.int64)
+        self.cursor = 0
+        self.n_lost = 0
+        self.n_inflight = 0
+        self.budget_elems = 0
+        if core.loss_bound(gather) > 0:
+            self.budget_elems = core.loss.budget_elems(gather=gather, expected_elems=self.n_elems)
+        self.abandoned_elems = 0
+        self.manifest_acked = core.loss_bound(gather) <= 0
+        self.manifest_sent_at = -np.inf
+        self.fin_sent_at = -np.inf
+        self.rto_backoff = 1.0
+        self.done = False
+        self.gather = gather
+
+    # -- queries ---------------------------------------------------------------------------
+    def next_class(self) -> int | None:
+        """Class of the next chunk this transfer would send, or None when it has nothing."""
+        best: int | None = None
+        if self.n_lost:
+            best = int(self.prio[self.state == LOST].min())
+        if self.cursor < self.n_chunks:
+            nxt = int(self.prio[self.order[self.cursor]])
+            best = nxt if best is None else min(best, nxt)
+        return best
+
+    def outstanding(self) -> bool:
+        """True while some chunk is neither acknowledged nor abandoned."""
+        return bool(np.any(self.state < ACKED))
+
+    def missing_mask(self) -> np.ndarray:
+        """Chunks the receiver has not acknowledged."""
+        return self.state != ACKED
+
+
+class SenderCore:
+    """All outgoing transfers of one rank; produces DATA and the sender's control packets.
+
+    ``encode`` builds a control packet (the endpoint owns headers and tags). Time is a parameter
+    everywhere; nothing here reads a clock or touches a socket.
+    """
+
+    def __init__(
+        self,
+        me: int,
+        world: int,
+        config: TransportConfig,
+        priority: PriorityPolicy,
+        loss: LossPolicy,
+        rng: np.random.Generator,
+        encode: Callable[..., bytes],
+        make_pacer: Callable[[], Pacer],
+    ) -> None:
+        self.me = me
+        self.world = world
+        self.config = config
+        self.priority = priority
+        self.loss = loss
+        self.key = config.tag_key
+        self.encode = encode
+        self.transfers: dict[OutKey, OutTransfer] = {}
+        self._seq = 0
+        self._n_paths = config.n_paths
+        self.paths = {
+            p: PathSet(config.n_paths, config.paths, rng) for p in range(world) if p != me
+        }
+        self.pacers = {(p, q): make_pacer() for p in self.paths for q in range(config.n_paths)}
+        n_classes = config.priority.n_classes
+        self._tos = [config.priority.tos(c) for c in range(n_classes)]
+        self.stats: dict[tuple[int, int], _ClassStats] = {}
+        self._path_bytes = np.zeros(config.n_paths, dtype=np.int64)
+        self._control: list[Datagram] = []
+        self._probe_seq = 0
+        self._probe_sent: dict[tuple[int, int], tuple[int, float]] = {}
+        self._now = 0.0
+        self._sendable: set[OutKey] = set()
+        # RTT over every peer (RFC 6298): the RTO of a peer we have no sample from yet. All
+        # peers share the fabric, so this beats a fixed initial RTO by orders of magnitude.
+        self._srtt = np.nan
+        self._rttvar = np.nan
+        self._tick_at = np.inf
+        self._pace_at = np.inf
+        self.nic: Pacer | None = None
+        if config.nic_rate_Bps > 0:
+            nic_cfg = replace(
+                config.pacing,
+                controller="fixed",
+                initial_rate_Bps=config.nic_rate_Bps,
+                max_rate_Bps=max(config.pacing.max_rate_Bps, config.nic_rate_Bps),
+                burst_bytes=max(config.pacing.burst_bytes, 4 * config.slot_bytes),
+            )
+            self.nic = Pacer(nic_cfg)
+
+    # -- API used by the endpoint ------------------------------------------------------------
+    def loss_bound(self, gather: bool) -> float:
+        """The loss bound of a phase (0 = reliable)."""
+        return self.config.loss.bound(gather)
+
+    def start(
+        self,
+        key: OutKey,
+        data: np.ndarray,
+        dtype: int,
+        layer_position: float,
+        now: float,
+        pinned: bool = False,
+    ) -> OutTransfer:
+        """Begin sending ``data`` (one shard, wire dtype ``dtype``) to ``key.dst``."""
+        if key in self.transfers:
+            raise ValueError(f"transfer {key} already in flight")
+        self._seq += 1
+        t = OutTransfer(key, self._seq, data, dtype, layer_position, now, self, pinned)
+        self.transfers[key] = t
+        self._stats(key.step, key.bucket)
+        if t.n_chunks == 0:
+            self._retire(t)
+            return t
+        if not t.manifest_acked:
+            self._queue_manifest(t, now)
+        self._sendable.add(key)
+        self._tick_at = min(self._tick_at, now + self.config.tick_s)
+        return t
+
+    def report(self, step: int, bucket: int) -> SenderReport:
+        """What was sent for (step, bucket) so far, per class."""
+        s = self._stats(step, bucket)
+        return SenderReport(
+            sent=tuple(int(x) for x in s.sent),
+            dropped=tuple(int(x) for x in s.dropped),
+            retransmitted=tuple(int(x) for x in s.retransmitted),
+            bytes_sent=s.bytes_sent,
+            per_path_bytes=tuple(int(x) for x in self._path_bytes),
+        )
+
+    def forget_stats(self, step: int, bucket: int) -> None:
+        """Drop the per-(step, bucket) counters once reported."""
+        self.stats.pop((step, bucket), None)
+
+    # -- control input ------------------------------------------------------------------------
+    def on_ack(
+        self,
+        key: OutKey,
+        base: int,
+        bits: np.ndarray,
+        trigger: int,
+        manifest: bool,
+        now: float,
+        ack_delay: float = 0.0,
+    ) -> None:
+        """Apply an ACK bitmap covering chunks ``base .. base+len(bits)``.
+
+        ``ack_delay`` is how long the receiver held the ACK after the trigger chunk arrived; it
+        is subtracted from that chunk's RTT sample (as QUIC does) so ACK batching does not look
+        like queueing to the delay-based congestion response.
+        """
+        t = self.transfers.get(key)
+        if t is None or t.done:
+            return
+        end = min(base + bits.shape[0], t.n_chunks)
+        if base >= end:
+            return
+        seg = slice(base, end)
+        st = t.state[seg]
+        newly = bits[: end - base] & ((st == INFLIGHT) | (st == LOST) | (st == ABANDONED))
+        if manifest:
+            t.manifest_acked = True
+        if not newly.any():
+            return
+        idx = np.flatnonzero(newly) + base
+        was = t.state[idx]
+        t.n_lost -= int(np.count_nonzero(was == LOST))
+        t.n_inflight -= int(np.count_nonzero(was == INFLIGHT))
+        t.abandoned_elems -= int(t.counts[idx[was == ABANDONED]].sum())
+        t.state[idx] = ACKED
+        t.rto_backoff = 1.0
+        peer = key.dst
+        sizes = t.lengths[idx].astype(np.int64)
+        # Every first transmission acknowledged now gives its path an RTT sample (Karn: never a
+        # retransmission); it includes up to ack_delay_s, which only makes the RTO safer. The
+        # congestion controller gets the clean sample of the chunk that triggered the ACK.
+        first_tx = t.tx[idx] == 1
+        rtt = np.where(first_tx, now - t.sent_at[idx], np.nan)
+        if base <= trigger < end and newly[trigger - base] and t.tx[trigger] == 1:
+            clean = max(now - t.sent_at[trigger] - min(ack_delay, self.config.ack_delay_s), 1e-7)
+        else:
+            clean = None
+        paths = t.path[idx].astype(np.int64)
+        self.paths[peer].on_acked(paths, sizes, now, rtt)
+        if clean is not None:
+            self._rtt_sample(clean)
+        trig_path = int(t.path[trigger]) if clean is not None else -1
+        for q in np.unique(paths).tolist():
+            sel = paths == q
+            self.pacers[(peer, q)].controller.on_ack(
+                now=now, acked_bytes=int(sizes[sel].sum()), rtt=clean if q == trig_path else None
+            )
+        # RACK: on each path, chunks sent well before the newest acknowledged one are lost.
+        newest = np.full(self._n_paths, -np.inf)
+        np.maximum.at(newest, paths, t.sent_at[idx])
+        limit = newest[t.path] - self.config.reorder_window_s
+        lost = np.flatnonzero((t.state == INFLIGHT) & (t.sent_at < limit))
+        if lost.size:
+            self._declare_lost(t, lost, now)
+        if not t.outstanding() and t.abandoned_elems == 0:
+            self._retire(t)
+        else:
+            self._maybe_fin(t, now)
+
+    def on_nack(self, key: OutKey, base: int, bits: np.ndarray, now: float) -> None:
+        """The receiver needs these chunks now: queue them for retransmission, even abandoned."""
+        t = self.transfers.get(key)
+        if t is None or t.done:
+            return
+        end = min(base + bits.shape[0], t.n_chunks)
+        if base >= end:
+            return
+        idx = np.flatnonzero(bits[: end - base]) + base
+        st = t.state[idx]
+        want = idx[(st == INFLIGHT) | (st == ABANDONED)]
+        t.n_inflight -= int(np.count_nonzero(st == INFLIGHT))
+        t.abandoned_elems -= int(t.counts[idx[st == ABANDONED]].sum())
+        t.state[want] = LOST
+        t.n_lost += int(want.size)
+        if want.size:
+            self._sendable.add(key)
+
+    def on_stop(self, key: OutKey) -> None:
+        """The receiver completed: stop sending and free the arena."""
+        t = self.transfers.get(key)
+        if t is not None:
+            self._retire(t)
+
+    def on_probe_ack(self, peer: int, path: int, seq: int, now: float) -> None:
+        """A probe came back: the path works again."""
+        sent = self._probe_sent.get((peer, path))
+        if sent is not None and sent[0] == seq and peer in self.paths:
+            self.paths[peer].on_probe_ack(path, now, now - sent[1])
+
+    # -- output ------------------------------------------------------------------------------
+    def datagrams_to_send(self, now: float) -> list[Datagram]:
+        """Control packets first, then data in global priority order within pacing limits."""
+        self._now = now
+        out = self._control
+        self._control = []
+        self._pace_at = np.inf
+        if not self._sendable:
+            return out
+        heap: list[tuple[int, float, int, OutKey]] = []
+        for key in list(self._sendable):
+            t = self.transfers.get(key)
+            cls = t.next_class() if t is not None else None
+            if cls is None:
+                self._sendable.discard(key)
+            else:
+                heap.append((cls, t.layer_position, t.seq, key))  # type: ignore[union-attr]
+        heapq.heapify(heap)
+        nic = self.nic
+        local_left = nic.allowance(now) if nic is not None else 1 << 62
+        quantum = self.config.tx_quantum_packets * self.config.slot_bytes
+        if local_left < quantum and nic is not None:
+            # Wait for a whole quantum of tokens: same rate, fewer and larger batches.
+            self._pace_at = nic.next_send_time(now, quantum)
+            return out
+        allowance: dict[int, int] = {}
+        blocked: set[int] = set()
+        budget = self.config.burst_packets * self._n_paths
+        while heap and budget > 0 and local_left > 0:
+            cls, _, _, key = heapq.heappop(heap)
+            t = self.transfers[key]
+            peer = key.dst
+            if peer not in allowance:
+                allowance[peer] = sum(
+                    self.pacers[(peer, q)].allowance(now) for q in self._usable(peer)
+                )
+            avail = min(allowance[peer], local_left)
+            if avail <= 0:
+                blocked.add(peer)
+                continue
+            sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out)
+            budget -= sent
+            allowance[peer] -= nbytes
+            local_left -= nbytes
+            if nic is not None and nbytes:
+                nic.consume(nbytes, now)
+            nxt = t.next_class()
+            if nxt is None:
+                self._sendable.discard(key)
+            elif consumed:
+                heapq.heappush(heap, (nxt, t.layer_position, t.seq, key))
+        if heap or blocked:
+            self._pace_at = self._wake_time(now, budget, blocked | {k.dst for *_, k in heap})
+        return out
+
+    def _wake_time(self, now: float, budget: int, peers: set[int]) -> float:
+        """When sending can resume: now if only the burst budget stopped us, else the pacers."""
+        if budget <= 0:
+            return now
+        slot = self.config.slot_bytes * self.config.tx_quantum_packets
+        t_nic = self.nic.next_send_time(now, slot) if self.nic is not None else now
+        t_peer = min(
+            (self.pacers[(p, q)].next_send_time(now, slot) for p in peers for q in self._usable(p)),
+            default=now,
+        )
+        return max(t_nic, t_peer, now)
+
+    def get_timer(self) -> float | None:
+        """The housekeeping tick while transfers run, or the pacing release if earlier."""
+        best = self._tick_at if self.transfers else np.inf
+        if self._sendable:
+            best = min(best, self._pace_at if self._pace_at < np.inf else self._now)
+        return None if best == np.inf else float(best)
+
+    def handle_timer(self, now: float) -> None:
+        """Housekeeping: retransmission timeouts, path health, resends, deadlines, probes."""
+        self._now = now
+        if now < self._tick_at:
+            return
+        self._tick_at = now + self.config.tick_s if self.transfers else np.inf
+        peers = {t.key.dst for t in self.transfers.values()}
+        for peer in peers:
+            self.paths[peer].tick(now)
+        for t in list(self.transfers.values()):
+            if now >= t.hard_deadline:
+                log.debug("sender gives up %s at the hard deadline", t.key)
+                self._retire(t)
+                continue
+            late = self._timed_out(t, now)
+            if late.size:
+                # Exponential backoff only for consecutive timeouts (a retransmission that timed
+                # out again), as in RFC 6298; any acknowledgement resets it.
+                if np.any(t.tx[late] > 1):
+                    t.rto_backoff = min(t.rto_backoff * 2.0, 64.0)
+                self._declare_lost(t, late, now)
+            if not t.manifest_acked and now >= t.manifest_sent_at + self._rto(t):
+                self._queue_manifest(t, now)
+            self._maybe_fin(t, now)
+        self._probe(now, peers)
+        if not self.transfers:
+            self._tick_at = np.inf
+
+    # -- internals ---------------------------------------------------------------------------
+    def _stats(self, step: int, bucket: int) -> _ClassStats:
+        s = self.stats.get((step, bucket))
+        if s is None:
+            n = self.config.priority.n_classes
+            z = np.zeros(n, dtype=np.int64)
+            s = self.stats[(step, bucket)] = _ClassStats(z.copy(), z.copy(), z.copy())
+        return s
+
+    def _usable(self, peer: int) -> range | tuple[int]:
+        if self.config.multipath:
+            return range(self._n_paths)
+        return ((self.me + peer) % self._n_paths,)
+
+    def _timed_out(self, t: OutTransfer, now: float) -> np.ndarray:
+        """In-flight chunks older than their own path's retransmission timeout."""
+        if not t.n_inflight:
+            return np.empty(0, dtype=np.int64)
+        inflight = np.flatnonzero(t.state == INFLIGHT)
+        rtos = self._path_rtos(t.key.dst) * t.rto_backoff
+        return inflight[t.sent_at[inflight] + rtos[t.path[inflight]] <= now]
+
+    def _path_rtos(self, peer: int) -> np.ndarray:
+        """Per-path RTO toward ``peer``; a path with no RTT sample yet borrows the largest RTO
+        of the peer's sampled paths (the initial RTO is for a peer we know nothing about)."""
+        ps = self.paths[peer]
+        rtos = ps.rtos()
+        sampled = np.array([not np.isnan(ps.rtt_estimate(q)) for q in range(self._n_paths)])
+        if sampled.any() and not sampled.all():
+            rtos = np.where(sampled, rtos, rtos[sampled].max())
+        elif not sampled.any() and not np.isnan(self._srtt):
+            rtos = np.full(self._n_paths, self._srtt + 4.0 * self._rttvar)
+        return np.maximum(rtos, self.config.min_rto_s)
+
+    def _rtt_sample(self, rtt: float) -> None:
+        if np.isnan(self._srtt):
+            self._srtt, self._rttvar = rtt, rtt / 2.0
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
+            self._srtt = 0.875 * self._srtt + 0.125 * rtt
+
+    def _rto(self, t: OutTransfer) -> float:
+        rtos = self._path_rtos(t.key.dst)
+        return float(max(rtos[q] for q in self._usable(t.key.dst))) * t.rto_backoff
+
+    def _declare_lost(self, t: OutTransfer, idx: np.ndarray, now: float) -> None:
+        """In-flight chunks presumed lost: tolerate what the budget allows (never protected),
+        else resend."""
+        t.n_inflight -= int(idx.size)
+        peer = t.key.dst
+        paths = t.path[idx].astype(np.int64)
+        sizes = t.lengths[idx].astype(np.int64)
+        self.paths[peer].on_lost(paths, sizes, now)
+        for q in np.unique(paths):
+            sel = paths == q
+            prot = bool(t.protected[idx[sel]].any())
+            self.pacers[(peer, int(q))].controller.on_loss(
+                now=now, lost_bytes=int(sizes[sel].sum()), protected=prot
+            )
+        resend = idx
+        if t.budget_elems > 0:
+            cand = idx[~t.protected[idx]]
+            # Tolerate droppable first, then the least important normal chunks.
+            cand = cand[np.lexsort((-t.prio[cand].astype(np.int64), ~t.droppable[cand]))]
+            room = t.budget_elems - t.abandoned_elems
+            cum = np.cumsum(t.counts[cand])
+            tolerate = cand[cum <= room]
+            if tolerate.size:
+                t.state[tolerate] = ABANDONED
+                t.abandoned_elems += int(t.counts[tolerate].sum())
+                self._stats(t.key.step, t.key.bucket).dropped += np.bincount(
+                    t.prio[tolerate], minlength=len(self._tos)
+                )[: len(self._tos)]
+                resend = np.setdiff1d(idx, tolerate, assume_unique=True)
+        t.state[resend] = LOST
+        t.n_lost += int(resend.size)
+        if resend.size:
+            self._sendable.add(t.key)
+        else:
+            self._maybe_fin(t, now)
+
+    def _send_batch(
+        self,
+        t: OutTransfer,
+        cls: int,
+        now: float,
+        avail: int,
+        budget: int,
+        out: list[Datagram],
+    ) -> tuple[int, int, int]:
+        """Send up to ``budget`` chunks of class ``cls`` from ``t`` within the peer's allowance.
+
+        Returns (chunks sent, chunks consumed including skipped ones, bytes sent).
+        """
+        peer = t.key.dst
+        retx = np.empty(0, dtype=np.int64)
+        if t.n_lost:
+            retx = np.flatnonzero((t.state == LOST) & (t.prio == cls))[:budget]
+        fresh = np.empty(0, dtype=np.int64)
+        skipped = 0
+        if retx.size < budget and t.cursor < t.n_chunks:
+            window = t.order[t.cursor : t.cursor + (budget - retx.size)]
+            other = np.flatnonzero(t.prio[window] != cls)
+            fresh = window[: other[0]] if other.size else window
+            kept = self._skip_late_droppable(t, fresh, now)
+            skipped = int(fresh.size - kept.size)
+            fresh = kept
+        chunks = np.concatenate((retx, fresh)) if retx.size else fresh
+        if chunks.size == 0:
+            self._advance_cursor(t)
+            self._maybe_fin(t, now)
+            return 0, skipped, 0
+        sizes = t.lengths[chunks].astype(np.int64)
+        fit = int(np.searchsorted(np.cumsum(sizes), avail, side="right"))
+        fit = max(fit, 1)  # always make progress: the pacer takes one packet of debt
+        chunks, sizes = chunks[:fit], sizes[:fit]
+        n_retx = int(min(retx.size, fit))
+        if self.config.multipath:
+            paths = self.paths[peer].assign(now=now, sizes=sizes, protected=t.protected[chunks])
+        else:
+            paths = np.full(fit, self._usable(peer)[0], dtype=np.int64)
+        paths = np.asarray(paths, dtype=np.int64)
+        t.state[chunks] = INFLIGHT
+        t.n_inflight += fit
+        t.n_lost -= n_retx
+        t.sent_at[chunks] = now
+        t.path[chunks] = paths
+        t.tx[chunks] = np.minimum(t.tx[chunks].astype(np.int64) + 1, 255).astype(np.uint8)
+        self._advance_cursor(t)
+        self.paths[peer].on_sent(paths, sizes, now)
+        for q in np.unique(paths):
+            self.pacers[(peer, int(q))].consume(int(sizes[paths == q].sum()), now)
+        st = self._stats(t.key.step, t.key.bucket)
+        n_cls = len(self._tos)
+        st.sent += np.bincount(t.prio[chunks], minlength=n_cls)[:n_cls]
+        if n_retx:
+            st.retransmitted += np.bincount(t.prio[chunks[:n_retx]], minlength=n_cls)[:n_cls]
+        st.bytes_sent += int(sizes.sum())
+        np.add.at(self._path_bytes, paths, sizes)
+        tos = self._tos[cls]
+        arena, lengths = t.arena, t.lengths
+        for c, q in zip(chunks.tolist(), paths.tolist(), strict=True):
+            out.append(Datagram(arena[c, : lengths[c]].data, peer, q, tos))
+        return fit, fit + skipped, int(sizes.sum())
+
+    @staticmethod
+    def _advance_cursor(t: OutTransfer) -> None:
+        """Move the cursor past chunks that are no longer PENDING (sent or skipped)."""
+        while t.cursor < t.n_chunks:
+            window = t.state[t.order[t.cursor : t.cursor + 256]]
+            pending = np.flatnonzero(window == PENDING)
+            if pending.size:
+                t.cursor += int(pending[0])
+                return
+            t.cursor += int(window.size)
+
+    def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:
+        """Skip droppable chunks that cannot make the soft deadline, within the budget.
+
+        Returns the chunks of ``fresh`` still to send; skipped ones become ABANDONED.
+        """
+        if not (self.config.skip_late_droppable and t.budget_elems > 0 and fresh.size):
+            return fresh
+        drop = t.droppable[fresh]
+        if not drop.any():
+            return fresh
+        deadline = t.started + self.loss.soft_deadline(t.gather)
+        rate = sum(self.pacers[(t.key.dst, q)].controller.rate_Bps for q in self._usable(t.key.dst))
+        remaining = float(t.lengths[t.order[t.cursor :]].sum())
+        if now + remaining / max(rate, 1.0) <= deadline:
+            return fresh
+        cand = fresh[drop]
+        room = t.budget_elems - t.abandoned_elems
+        skip = cand[np.cumsum(t.counts[cand]) <= room]
+        if not skip.size:
+            return fresh
+        t.state[skip] = ABANDONED
+        t.abandoned_elems += int(t.counts[skip].sum())
+        n_cls = len(self._tos)
+        self._stats(t.key.step, t.key.bucket).dropped += np.bincount(t.prio[skip], minlength=n_cls)[
+            :n_cls
+        ]
+        return fresh[t.state[fresh] == PENDING]
+
+    def _queue_manifest(self, t: OutTransfer, now: float) -> None:
+        key = t.key
+        payload = np.packbits(t.protected, bitorder="little").tobytes()
+        data = self.encode(Kind.MANIFEST, key, chunk=0, count=t.n_chunks, payload=payload)
+        self._control.append(Datagram(data, key.dst, self._control_path(key.dst), self._tos[0]))
+        t.manifest_sent_at = now
+
+    def _control_path(self, peer: int) -> int:
+        usable = self._usable(peer)
+        if len(usable) == 1:
+            return usable[0]
+        return int(
+            self.paths[peer].assign(now=0.0, sizes=np.array([64]), protected=np.array([True]))[0]
+        )
+
+    def _retire(self, t: OutTransfer) -> None:
+        """The transfer is over (acknowledged, stopped, or past its deadline): free it."""
+        t.done = True
+        self.transfers.pop(t.key, None)
+        self._sendable.discard(t.key)
+
+    def _maybe_fin(self, t: OutTransfer, now: float) -> None:
+        """When only abandoned chunks remain unacknowledged, tell the receiver (FIN), and repeat
+        it every RTO until the receiver's STOP."""
+        if t.done or not t.abandoned_elems or t.n_lost or t.cursor < t.n_chunks:
+            return
+        if t.n_inflight or now < t.fin_sent_at + self._rto(t):
+            return
+        payload = np.packbits(t.state == ABANDONED, bitorder="little").tobytes()
+        data = self.encode(Kind.FIN, t.key, chunk=0, count=t.n_chunks, payload=payload)
+        self._control.append(Datagram(data, t.key.dst, self._control_path(t.key.dst), self._tos[0]))
+        t.fin_sent_at = now
+
+    def _probe(self, now: float, peers: set[int]) -> None:
+        """Probe suspect paths toward peers we are sending to."""
+        for peer in peers:
+            for q in self.paths[peer].probes_due(now):
+                self._probe_seq += 1
+                data = self.encode(Kind.PROBE, OutKey(0, 0, 0, 0, peer), aux=self._probe_seq)
+                self._probe_sent[(peer, q)] = (self._probe_seq, now)
+                self._control.append(Datagram(data, peer, q, self._tos[0]))
