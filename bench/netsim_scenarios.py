@@ -291,7 +291,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cross traffic in random on/off bursts (mean 4 ms each) instead of steady",
     )
     p.add_argument("--fifo", action="store_true", help="priority-unaware switches")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--chunk-bytes",

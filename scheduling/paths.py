@@ -62,6 +62,12 @@ class PathState(IntEnum):
     DOWN = 2
 
 
+# Plain ints for the hot paths (enum attribute lookups cost more than the comparisons).
+_UP, _SUSPECT, _DOWN = int(PathState.UP), int(PathState.SUSPECT), int(PathState.DOWN)
+#: Batches up to this many packets take the scalar path in :meth:`PathSet.assign`.
+_SMALL_BATCH = 4
+
+
 @dataclass(frozen=True)
 class PathConfig:
     """Configuration of path health tracking and packet assignment.
@@ -277,6 +283,18 @@ class PathSet:
             return out
 
         rate = np.maximum(self._rate, _MIN_RATE)
+        if n_pkt <= _SMALL_BATCH and not suspect.any():
+            # Tiny batches (a paced sender's usual case): give each packet to the path whose
+            # backlog would drain first — what water-filling converges to — without the array
+            # machinery, which costs more than the decision here.
+            backlog = self._outstanding.tolist()
+            rates = rate.tolist()
+            usable = np.flatnonzero(up).tolist()
+            for i, size in enumerate(sizes_a.tolist()):
+                q = min(usable, key=lambda p: (backlog[p] + size) / rates[p])
+                out[i] = q
+                backlog[q] += size
+            return out
         batch = float(sizes_a.sum())
         share = _water_fill(rate[up], self._outstanding[up], batch)
         main = np.zeros(self.n_paths)
@@ -383,11 +401,9 @@ class PathSet:
         cfg = self.config
         silent_for = now - self._last_progress
         busy = self._outstanding > 0.0
-        up = self._state == PathState.UP
-        suspect = self._state == PathState.SUSPECT
-        to_down = (
-            (busy | suspect) & (self._state != PathState.DOWN) & (silent_for >= cfg.down_after_s)
-        )
+        up = self._state == _UP
+        suspect = self._state == _SUSPECT
+        to_down = (busy | suspect) & (self._state != _DOWN) & (silent_for >= cfg.down_after_s)
         to_suspect = (
             up
             & ~to_down

@@ -35,7 +35,17 @@ from transport._kernels_common import (
     fast_tag_row,
     siphash_row,
 )
-from transport.packet import HEADER_SIZE, ITEMSIZE, MAGIC, VERSION, DType, Kind, Phase, Reason
+from transport.packet import (
+    BITMAP_KINDS,
+    HEADER_SIZE,
+    ITEMSIZE,
+    MAGIC,
+    VERSION,
+    DType,
+    Kind,
+    Phase,
+    Reason,
+)
 from transport.tag import TAG_SIPHASH
 
 _U64 = np.uint64
@@ -85,9 +95,8 @@ _KIND_MIN = min(int(k) for k in Kind)
 _KIND_MAX = max(int(k) for k in Kind)
 assert {int(k) for k in Kind} == set(range(_KIND_MIN, _KIND_MAX + 1)), "kinds must be contiguous"
 _DATA = int(Kind.DATA)
-_ACK = int(Kind.ACK)
-_NACK = int(Kind.NACK)
-_MANIFEST = int(Kind.MANIFEST)
+#: Bit k set when kind k carries a bitmap (one source of truth: packet.BITMAP_KINDS).
+_BITMAP_MASK = sum(1 << int(k) for k in BITMAP_KINDS)
 _PHASE_MAX = int(Phase.PULL)
 _DTYPE_MAX = int(DType.BF16)
 _F32 = int(DType.F32)
@@ -167,7 +176,7 @@ def check_packet(
             return _BAD_DTYPE, kind, src, 0, count
         if count * (_ITEM_F32 if dtype == _F32 else _ITEM_16) != payload:
             return _COUNT_MISMATCH, kind, src, 0, count
-    elif kind in (_ACK, _NACK, _MANIFEST) and payload != (count + 7) // 8:
+    elif (_BITMAP_MASK >> kind) & 1 and payload != (count + 7) // 8:
         return _COUNT_MISMATCH, kind, src, 0, count
     if (
         step != sp[S_T_STEP]

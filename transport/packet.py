@@ -49,6 +49,7 @@ from transport.errors import ProtocolError
 from transport.tag import PAYLOAD_OFFSET, TAG_OFFSET, TagKey, packet_tag
 
 __all__ = [
+    "BITMAP_KINDS",
     "HEADER_DTYPE",
     "HEADER_SIZE",
     "ITEMSIZE",
@@ -345,7 +346,7 @@ def validate(
             return Reason.BAD_DTYPE
         if int(h["count"]) * ITEMSIZE[dt] != payload:
             return Reason.COUNT_MISMATCH
-    elif kind in _BITMAP_KINDS and payload != -(-int(h["count"]) // 8):
+    elif kind in BITMAP_KINDS and payload != -(-int(h["count"]) // 8):
         return Reason.COUNT_MISMATCH
     if transfer is None:
         return Reason.OK
@@ -369,7 +370,8 @@ def validate(
     return Reason.OK
 
 
-_BITMAP_KINDS = frozenset((Kind.ACK, Kind.NACK, Kind.MANIFEST, Kind.FIN))
+#: Kinds whose payload is a bitmap of ``count`` bits (the kernels derive their check from it).
+BITMAP_KINDS = frozenset((Kind.ACK, Kind.NACK, Kind.MANIFEST, Kind.FIN))
 
 
 def encode_bitmap(bits: np.ndarray) -> bytes:

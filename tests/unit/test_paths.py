@@ -393,6 +393,7 @@ def test_assign_always_returns_valid_paths(
         paths = ps.assign(now=now, sizes=np.full(n, PKT), protected=prot)
         assert paths.dtype == np.int64
         assert ((paths >= 0) & (paths < 4)).all()
+        ps.tick(now)  # assign() judges health as of ``now``; compare with the same view
         states = ps.states
         if (states == PathState.UP).any():
             assert (states[paths] != PathState.DOWN).all()
