@@ -29,7 +29,7 @@ from numba import njit
 
 from transport.errors import ConfigError
 from transport.packet import MAGIC, VERSION
-from transport.tag import _S0, _S1, _S2, _S3, TAG_SIPHASH, _sipround, fast_finish
+from transport.tag import _S0, _S1, _S2, _S3, TAG_SIPHASH, _sipround, fast_finish, sip_finish
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError(
@@ -234,14 +234,7 @@ def siphash_row(k0: np.uint64, k1: np.uint64, row64: np.ndarray, length: int) ->
     if rem:
         last = row64[6 + n_full] & ((_U64(1) << _U64(8 * rem)) - _U64(1))
     last |= _U64((length - 8) & 0xFF) << _U64(56)
-    v3 ^= last
-    v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-    v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-    v0 ^= last
-    v2 ^= _U64(0xFF)
-    for _ in range(4):
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-    return v0 ^ v1 ^ v2 ^ v3
+    return sip_finish(v0, v1, v2, v3, last)
 
 
 #: Layout of the header template :func:`finish_packet` takes (uint64[5]): header u64 words 0..2

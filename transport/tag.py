@@ -154,6 +154,21 @@ def _sipround(
     return v0, v1, v2, v3
 
 
+@njit(cache=True, inline="always")
+def sip_finish(
+    v0: np.uint64, v1: np.uint64, v2: np.uint64, v3: np.uint64, last: np.uint64
+) -> np.uint64:
+    """SipHash-2-4's last block (``last`` holds the tail bytes and the length) and finalisation."""
+    v3 ^= last
+    v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
+    v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
+    v0 ^= last
+    v2 ^= _U64(0xFF)
+    for _ in range(4):
+        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
+    return v0 ^ v1 ^ v2 ^ v3
+
+
 @njit(cache=True)
 def siphash24_parts(
     k0: np.uint64, k1: np.uint64, buf: np.ndarray, s1: int, e1: int, s2: int, e2: int
@@ -183,14 +198,7 @@ def siphash24_parts(
                 m = _U64(0)
                 nb = 0
     last = m | (_U64(total & 0xFF) << _U64(56))
-    v3 ^= last
-    v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-    v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-    v0 ^= last
-    v2 ^= _U64(0xFF)
-    for _ in range(4):
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-    return v0 ^ v1 ^ v2 ^ v3
+    return sip_finish(v0, v1, v2, v3, last)
 
 
 @njit(cache=True)
