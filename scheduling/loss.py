@@ -25,10 +25,11 @@ The gather phase has its own, stricter bound (by default half the reduce bound):
 the reduce phase is filled with an unbiased average of the contributors that did arrive, but a
 chunk lost in the gather phase leaves the rank's own stale value in place.
 
-The soft deadline adapts like a retransmission timeout (RFC 6298): an EWMA of recent *lossless*
+The soft deadline adapts like a retransmission timeout (RFC 6298): an EWMA of recent *clean*
 completion durations plus ``k`` times the EWMA of their absolute deviation, clamped to
-``[soft_deadline_min_s, soft_deadline_max_s]``. Only lossless completions feed it: a lossy one
-ended at the deadline and would drag the estimate down onto itself. Reduce and gather phases keep
+``[soft_deadline_min_s, soft_deadline_max_s]``. A clean completion ended because its data arrived
+(or its senders gave the rest up within the bound), not because a deadline fired: one that ended
+at the deadline would drag the estimate down onto itself. Reduce and gather phases keep
 separate estimates because their transfers differ in fan-in and size.
 """
 
@@ -171,7 +172,7 @@ class LossPolicy:
     def __init__(self, config: LossConfig | None = None) -> None:
         self.config = config if config is not None else LossConfig()
         # Per phase (index 0 = reduce, 1 = gather): smoothed duration and mean deviation;
-        # NaN until the first lossless completion.
+        # NaN until the first clean completion.
         self._srtt = np.full(2, np.nan)
         self._rttvar = np.full(2, np.nan)
 
@@ -186,11 +187,16 @@ class LossPolicy:
         value = float(self._srtt[p] + cfg.soft_deadline_k * self._rttvar[p])
         return min(cfg.soft_deadline_max_s, max(cfg.soft_deadline_min_s, value))
 
-    def record(self, *, gather: bool, duration: float, lossless: bool) -> None:
-        """Feed one completed transfer's duration; only lossless completions count."""
+    def record(self, *, gather: bool, duration: float, clean: bool) -> None:
+        """Feed one completed transfer's duration; only clean completions count.
+
+        A completion is *clean* when it ended because its data arrived (or its senders declared
+        the rest given up within the bound), not because a deadline fired: with a loss bound,
+        most completions miss a few droppable chunks yet say how long a normal step takes.
+        """
         if not duration >= 0.0 or not math.isfinite(duration):
             raise ValueError(f"duration must be a finite number >= 0, got {duration}")
-        if not lossless:
+        if not clean:
             return
         cfg = self.config
         p = int(gather)

@@ -435,9 +435,9 @@ class ReceiverCore:
             now=now,
         )
         if verdict.decision == Decision.COMPLETE:
-            self._complete(t, now, degraded=False)
+            self._complete(t, now, degraded=False, clean=False)  # ended by the soft deadline
         elif verdict.decision == Decision.COMPLETE_DEGRADED:
-            self._complete(t, now, degraded=True)
+            self._complete(t, now, degraded=True, clean=False)
         elif verdict.decision == Decision.FAIL:
             missing = tuple(s for s, m in t.missing_elems().items() if m)
             err = PeerTimeout(
@@ -475,7 +475,7 @@ class ReceiverCore:
             )
             self._out.append(Datagram(data, src, int(t.path[r]), self.tos))
 
-    def _complete(self, t: InTransfer, now: float, degraded: bool) -> None:
+    def _complete(self, t: InTransfer, now: float, degraded: bool, clean: bool = True) -> None:
         missing = t.missing_elems()
         n = t.spec.n_elems
         report = LossReport(
@@ -493,9 +493,7 @@ class ReceiverCore:
             rejected=t.rejected,
             protected_missing=int(((t.received[t.rows] == 0) & t.protected[t.rows]).sum()),
         )
-        self.loss.record(
-            gather=t.gather, duration=report.duration, lossless=report.missing_elems == 0
-        )
+        self.loss.record(gather=t.gather, duration=report.duration, clean=clean)
         soft = (self.loss.soft_deadline(False), self.loss.soft_deadline(True))
         if any(abs(a - b) > 0.05 * b for a, b in zip(soft, self._soft_seen, strict=True)):
             # The adaptive soft deadline moved noticeably: re-derive every transfer's check

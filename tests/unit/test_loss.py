@@ -270,26 +270,26 @@ def test_soft_deadline_adapts_and_clamps() -> None:
     cfg = LossConfig(loss_bound=0.1, soft_deadline_min_s=0.002, soft_deadline_max_s=0.5)
     p = LossPolicy(cfg)
     assert p.soft_deadline(False) == 0.5
-    p.record(gather=False, duration=0.01, lossless=True)
+    p.record(gather=False, duration=0.01, clean=True)
     # First sample: srtt = d, rttvar = d/2 → d + 4·d/2 = 3d.
     assert p.soft_deadline(False) == pytest.approx(0.03)
     for _ in range(200):
-        p.record(gather=False, duration=0.01, lossless=True)
+        p.record(gather=False, duration=0.01, clean=True)
     assert p.soft_deadline(False) == pytest.approx(0.01, rel=1e-3)
     # Tiny durations clamp to the minimum, huge ones to the maximum.
     for _ in range(200):
-        p.record(gather=False, duration=0.0, lossless=True)
+        p.record(gather=False, duration=0.0, clean=True)
     assert p.soft_deadline(False) == pytest.approx(0.002)
     for _ in range(50):
-        p.record(gather=False, duration=10.0, lossless=True)
+        p.record(gather=False, duration=10.0, clean=True)
     assert p.soft_deadline(False) == 0.5
 
 
 def test_soft_deadline_ignores_lossy_completions_and_keeps_phases_apart() -> None:
     p = LossPolicy(LossConfig(loss_bound=0.1))
-    p.record(gather=False, duration=0.001, lossless=False)
+    p.record(gather=False, duration=0.001, clean=False)
     assert p.soft_deadline(False) == 0.5
-    p.record(gather=True, duration=0.01, lossless=True)
+    p.record(gather=True, duration=0.01, clean=True)
     assert p.soft_deadline(True) == pytest.approx(0.03)
     assert p.soft_deadline(False) == 0.5
 
@@ -299,15 +299,15 @@ def test_soft_deadline_tracks_variation() -> None:
     noisy = LossPolicy(LossConfig())
     rng = np.random.default_rng(7)
     for _ in range(100):
-        steady.record(gather=False, duration=0.02, lossless=True)
-        noisy.record(gather=False, duration=float(rng.uniform(0.01, 0.03)), lossless=True)
+        steady.record(gather=False, duration=0.02, clean=True)
+        noisy.record(gather=False, duration=float(rng.uniform(0.01, 0.03)), clean=True)
     assert noisy.soft_deadline(False) > steady.soft_deadline(False) + 0.005
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_record_validates(bad: float) -> None:
     with pytest.raises(ValueError, match="duration"):
-        LossPolicy().record(gather=False, duration=bad, lossless=True)
+        LossPolicy().record(gather=False, duration=bad, clean=True)
 
 
 def test_adapted_soft_deadline_moves_the_decision() -> None:
@@ -315,7 +315,7 @@ def test_adapted_soft_deadline_moves_the_decision() -> None:
     case = one_sender([True, False, True, True], protected=[False] * 4)
     assert case.decide(policy, now=0.05).decision == Decision.CONTINUE
     for _ in range(50):
-        policy.record(gather=False, duration=0.01, lossless=True)
+        policy.record(gather=False, duration=0.01, clean=True)
     assert case.decide(policy, now=0.05).decision == Decision.COMPLETE
 
 
