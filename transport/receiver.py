@@ -448,12 +448,13 @@ class ReceiverCore:
         elif now >= t.started + self.loss.soft_deadline(gather):
             self._nack(t, verdict.need, now)
 
-    def _nack(self, t: InTransfer, need: object, now: float) -> None:
+    def _nack(self, t: InTransfer, need: np.ndarray, now: float) -> None:
         """Ask senders for the chunks the policy still needs (at most once per interval)."""
         if now < t.nack_at + self._nack_interval():
             return
         t.nack_at = now
-        src_idx, chunks = _need_arrays(need)
+        need = np.asarray(need, dtype=np.int64).reshape(-1, 2)  # rows: (sender index, chunk)
+        src_idx, chunks = need[:, 0], need[:, 1]
         if src_idx.size == 0:
             # Nothing specific is needed (e.g. waiting for a manifest): re-ACK everyone so
             # senders learn what is missing and resend the manifest.
@@ -516,17 +517,6 @@ class ReceiverCore:
                 )
             )
             self._stop_sent[(t.key, s)] = now
-
-
-def _need_arrays(need: object) -> tuple[np.ndarray, np.ndarray]:
-    """Normalise the policy's ``need`` (pairs or a pair of arrays) to (sender index, chunk)."""
-    if isinstance(need, tuple) and len(need) == 2 and isinstance(need[0], np.ndarray):
-        return need[0].astype(np.int64), need[1].astype(np.int64)
-    pairs = list(need) if need is not None else []  # type: ignore[call-overload]
-    if not pairs:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
-    return arr[:, 0], arr[:, 1]
 
 
 def _fields(data: bytes | memoryview) -> dict:
