@@ -1,0 +1,444 @@
+"""Reliable ZeroMQ data plane: gradlane packets as ZeroMQ frames, driven on one thread.
+
+Theory of operation
+-------------------
+:class:`ZmqDataPlane` is a driver of the sans-I/O :class:`~transport.allreduce.TransposeAllReduce`
+(the aioquic shape, STYLE rule 1), like the UDP engine, with ZeroMQ in place of datagrams:
+
+* every rank binds one PULL socket per path on its own endpoint (all peers fan in), and connects
+  one PUSH socket per (peer, path) to the peers' endpoints. A frame is exactly one gradlane packet,
+  header and tag included, so the same validation runs as over UDP;
+* one thread runs a :class:`zmq.Poller` loop: it drains the PULL sockets into
+  ``receive_datagram(frame.buffer, path, now)`` (``recv(copy=False)``: the endpoint copies the
+  bytes into its batching arena once), runs ``handle_timer`` when ``get_timer()`` is due, sends
+  ``datagrams_to_send(now)`` to ``dg.peer`` on path ``dg.path``, and turns ``next_event()`` into
+  Future results. The poll timeout is ``get_timer() - now``, so the loop sleeps when idle;
+* other threads talk to it through :meth:`ZmqDataPlane.submit`: a thread-safe queue plus a wake
+  message on an inproc PAIR socket (ZeroMQ sockets are not thread-safe, so only the loop thread
+  ever touches the data sockets).
+
+Large frames go out zero-copy (``send(memoryview, copy=False)``): the sender core packs each
+transfer once into an arena whose rows are never rewritten, and the memoryview keeps that arena
+alive until ZeroMQ has sent the frame. Small frames (ACKs) are copied, which is cheaper than the
+zero-copy bookkeeping. A socket whose high-water mark is reached is not blocked on: its frames wait
+in an ordered backlog and the loop polls for POLLOUT.
+
+ZeroMQ over TCP/IPC is reliable and ordered, so :func:`zmq_config` defaults to
+``loss_bound = 0`` (exact all-reduce), 65000-byte chunks, loss-recovery timers pushed out to
+about a second (they can only fire spuriously here) and a fixed (unpaced) rate: TCP and the
+high-water marks already do flow control. The cores are the same as
+over UDP, so ACKs still flow (about one small frame per ``ack_every`` DATA frames). That is
+acceptable: they cost a fraction of a percent of the bytes, they are what completes each transfer
+(the receiver's completion *is* its ACK bookkeeping), and keeping one core for both planes means
+one set of tests and no second protocol to keep in sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from scheduling.loss import LossConfig
+from scheduling.pacing import PacingConfig
+from transport.allreduce import TransposeAllReduce
+from transport.config import TransportConfig
+from transport.errors import ConfigError, GradlaneError, TransferFailed
+from transport.events import AllReduceComplete, AllReduceFailed, CollectiveReport, Datagram
+
+__all__ = ["ZERO_COPY_MIN_BYTES", "ZmqDataPlane", "zmq_config"]
+
+log = logging.getLogger(__name__)
+
+#: Frames at least this large are sent zero-copy; smaller ones are copied (cheaper for ACKs).
+ZERO_COPY_MIN_BYTES = 16384
+#: Most frames drained from one socket per loop turn, so timers and sends are not starved.
+RX_DRAIN = 1024
+
+CollectiveResult = tuple[np.ndarray, CollectiveReport]
+
+
+def zmq_config(**overrides: Any) -> TransportConfig:
+    """A :class:`TransportConfig` suited to the reliable ZeroMQ plane; ``overrides`` win.
+
+    ZeroMQ never loses a frame, so every loss-recovery trigger of the cores can only fire
+    spuriously (a stalled thread on a loaded host) and turn into duplicate frames: the RTO, the
+    RACK reorder window and the soft deadline (after which a receiver NACKs what is missing) are
+    all pushed out to around a second. Exact all-reduce (``loss_bound = 0``); a peer that has
+    not delivered after ``hard_deadline_s`` is dead or wedged, so the collective fails with
+    ``PeerTimeout`` rather than completing degraded. 65000-byte chunks; a fixed, effectively
+    unlimited pacing rate, because TCP and the high-water marks already do flow control.
+    """
+    base: dict[str, Any] = {
+        "chunk_bytes": 65000,
+        "min_rto_s": 1.0,
+        "reorder_window_s": 1.0,
+        "burst_packets": 256,
+        "loss": LossConfig(
+            loss_bound=0.0,
+            soft_deadline_min_s=1.0,
+            soft_deadline_max_s=5.0,
+            hard_deadline_s=30.0,
+            on_hard_deadline="raise",
+        ),
+        "pacing": PacingConfig(
+            controller="fixed",
+            initial_rate_Bps=1.0e11,
+            max_rate_Bps=1.0e11,
+            burst_bytes=8 << 20,
+        ),
+    }
+    base.update(overrides)
+    return TransportConfig(**base)
+
+
+@dataclass
+class _Job:
+    step: int
+    bucket: int
+    data: np.ndarray
+    layer_position: float
+    dtype: int | None
+    future: Future[CollectiveResult]
+
+
+class ZmqDataPlane:
+    """One rank's reliable data plane over ZeroMQ, driving a :class:`TransposeAllReduce`.
+
+    ``endpoints[r]`` is where rank r's PULL sockets listen: one string, or one string per path
+    (``config.n_paths`` of them). This rank binds ``endpoints[me]`` and connects to the others.
+    :meth:`start` (or ``with``) starts the loop thread; :meth:`submit` is thread-safe;
+    :meth:`close` fails in-flight Futures with :class:`TransferFailed` and closes every socket.
+    ``hwm`` is the per-socket high-water mark in frames (1024 × 65 KB ≈ 64 MiB queued at most).
+    """
+
+    def __init__(
+        self,
+        me: int,
+        world: int,
+        config: TransportConfig | None = None,
+        endpoints: Sequence[str | Sequence[str]] = (),
+        *,
+        rng: np.random.Generator | None = None,
+        hwm: int = 1024,
+    ) -> None:
+        self.me = me
+        self.world = world
+        self.config = cfg = config or zmq_config()
+        if len(endpoints) != world:
+            raise ConfigError(f"{len(endpoints)} data endpoints for a world of {world}")
+        self.endpoints: tuple[tuple[str, ...], ...] = tuple(
+            (e,) if isinstance(e, str) else tuple(e) for e in endpoints
+        )
+        for r, eps in enumerate(self.endpoints):
+            if len(eps) != cfg.n_paths:
+                raise ConfigError(
+                    f"rank {r} has {len(eps)} data endpoint(s) but n_paths={cfg.n_paths}: "
+                    "give one endpoint per path"
+                )
+        self._core = TransposeAllReduce(me, world, cfg, rng)
+        self._hwm = hwm
+        self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._futures: dict[tuple[int, int], Future[CollectiveResult]] = {}
+        self._wake_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._fatal: BaseException | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._wake_tx: zmq.Socket[bytes] | None = None
+        # Counters read by stats() from any thread (plain int reads are atomic in CPython).
+        self._n = {"completed": 0, "failed": 0, "frames_in": 0, "frames_out": 0,
+                   "bytes_in": 0, "bytes_out": 0, "backlogged": 0}  # fmt: skip
+        self._endpoint_stats: dict[str, object] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> ZmqDataPlane:
+        """Bind, connect and start the loop thread (idempotent); returns ``self``."""
+        if self._closed:
+            raise TransferFailed(f"rank {self.me}: the ZeroMQ data plane is closed")
+        if self._thread is not None:
+            return self
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+        self._ctx = ctx
+        made: list[zmq.Socket[bytes]] = []
+
+        def sock(kind: int) -> zmq.Socket[bytes]:
+            s = ctx.socket(kind)
+            made.append(s)
+            s.linger = 0
+            return s
+
+        try:
+            pulls = []
+            for ep in self.endpoints[self.me]:
+                s = sock(zmq.PULL)
+                s.rcvhwm = self._hwm
+                s.bind(ep)
+                pulls.append(s)
+            pushes: dict[tuple[int, int], zmq.Socket[bytes]] = {}
+            for r in range(self.world):
+                if r == self.me:
+                    continue
+                for q, ep in enumerate(self.endpoints[r]):
+                    s = sock(zmq.PUSH)
+                    s.sndhwm = self._hwm
+                    s.copy_threshold = ZERO_COPY_MIN_BYTES
+                    s.connect(ep)  # queued until the peer binds: no start order between ranks
+                    pushes[(r, q)] = s
+            wake_rx, wake_tx = sock(zmq.PAIR), sock(zmq.PAIR)
+            addr = f"inproc://gl-zmq-plane-wake-{id(self)}"
+            wake_rx.bind(addr)
+            wake_tx.connect(addr)
+        except zmq.ZMQError as exc:
+            for s in made:
+                s.close(linger=0)
+            ctx.term()
+            self._ctx = None
+            raise TransferFailed(f"rank {self.me}: cannot set up the ZeroMQ plane: {exc}") from exc
+        self._wake_tx = wake_tx
+        loop = _Loop(self, pulls, pushes, wake_rx)
+        self._thread = threading.Thread(
+            target=loop.run, name=f"gl-zmq-plane-{self.me}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the loop, fail in-flight Futures with :class:`TransferFailed`, close all sockets."""
+        with self._wake_lock:
+            if self._closed:
+                return
+            # Under the lock: a submit() either sees the plane closed or is in the inbox
+            # before close() drains it, so no Future is ever left pending.
+            self._closed = True
+        self._stopping.set()
+        if self._thread is not None:
+            self._wake()
+            self._thread.join()
+        self._fail_pending("the ZeroMQ data plane was closed")
+        with self._wake_lock:
+            if self._wake_tx is not None:
+                self._wake_tx.close(linger=0)
+                self._wake_tx = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> ZmqDataPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- API ------------------------------------------------------------------------------------
+    def submit(
+        self,
+        step: int,
+        bucket: int,
+        data: np.ndarray,
+        layer_position: float = 0.5,
+        dtype: int | None = None,
+    ) -> Future[CollectiveResult]:
+        """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
+
+        Thread-safe. The Future resolves to ``(sum over ranks, CollectiveReport)`` or fails with
+        the collective's error (:class:`TransferFailed` if the plane closes first). ``data`` must
+        not be modified until the Future resolves (the loop thread copies it when it starts).
+        """
+        fut: Future[CollectiveResult] = Future()
+        with self._wake_lock:
+            if self._closed or self._thread is None or self._fatal is not None:
+                if self._fatal is not None:
+                    state = f"broken ({self._fatal!r})"
+                else:
+                    state = "closed" if self._closed else "not started (call start())"
+                fut.set_exception(
+                    TransferFailed(f"rank {self.me}: the ZeroMQ data plane is {state}")
+                )
+                return fut
+            self._inbox.put(_Job(step, bucket, data, layer_position, dtype, fut))
+        self._wake()
+        return fut
+
+    def stats(self) -> dict[str, Any]:
+        """Frame/byte counters and the endpoint's reject counters (thread-safe snapshot)."""
+        return {"rank": self.me, **dict(self._n), "endpoint": dict(self._endpoint_stats)}
+
+    def _fail_pending(self, reason: str) -> None:
+        """Fail every queued or running collective (loop thread, or after it has exited)."""
+        with self._wake_lock:
+            while True:
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                self._futures.setdefault((job.step, job.bucket), job.future)
+            pending, self._futures = self._futures, {}
+        for (step, bucket), fut in pending.items():
+            if not fut.done():
+                fut.set_exception(
+                    TransferFailed(
+                        f"rank {self.me}: all-reduce of step {step} bucket {bucket} did not "
+                        f"complete: {reason} while it was in flight"
+                    )
+                )
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_tx is None:
+                return
+            # Again means a wake is already queued, and one is enough.
+            with contextlib.suppress(zmq.Again):
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+
+
+class _Loop:
+    """The loop thread's state: only this thread touches the data sockets and the core."""
+
+    def __init__(
+        self,
+        plane: ZmqDataPlane,
+        pulls: list[zmq.Socket[bytes]],
+        pushes: dict[tuple[int, int], zmq.Socket[bytes]],
+        wake_rx: zmq.Socket[bytes],
+    ) -> None:
+        self.plane = plane
+        self.core = plane._core
+        self.pulls = pulls
+        self.pushes = pushes
+        self.wake_rx = wake_rx
+        self.backlog: dict[zmq.Socket[bytes], deque[bytes | memoryview]] = {}
+        self.poller = zmq.Poller()
+        for s in pulls:
+            self.poller.register(s, zmq.POLLIN)
+        self.poller.register(wake_rx, zmq.POLLIN)
+
+    def run(self) -> None:
+        plane = self.plane
+        try:
+            while not plane._stopping.is_set():
+                self._turn()
+        except BaseException as exc:
+            # A bug here must not hang callers: close() fails every Future with this cause.
+            log.exception("rank %s: ZeroMQ data plane loop crashed", plane.me)
+            with plane._wake_lock:
+                plane._fatal = exc
+            plane._fail_pending(f"the ZeroMQ data plane loop crashed ({exc!r})")
+        finally:
+            for s in (*self.pulls, *self.pushes.values(), self.wake_rx):
+                s.close(linger=0)
+
+    def _turn(self) -> None:
+        core, n = self.core, self.plane._n
+        timer = core.get_timer()
+        timeout_ms: int | None = None
+        if timer is not None:
+            # Round up: a sub-millisecond wait rounded to 0 would spin until the timer is due.
+            timeout_ms = max(0, math.ceil((timer - time.monotonic()) * 1000.0))
+        ready = dict(self.poller.poll(timeout_ms))
+        now = time.monotonic()
+        if self.wake_rx in ready:
+            while True:
+                try:
+                    self.wake_rx.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            self._start_jobs(now)
+        for path, s in enumerate(self.pulls):
+            if s not in ready:
+                continue
+            for _ in range(RX_DRAIN):
+                try:
+                    frame = s.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                buf = frame.buffer
+                n["frames_in"] += 1
+                n["bytes_in"] += len(buf)
+                core.receive_datagram(buf, path, now)
+        for s, ev in ready.items():
+            if ev & zmq.POLLOUT and isinstance(s, zmq.Socket):
+                self._flush_backlog(s)
+        timer = core.get_timer()
+        if timer is not None and now >= timer:
+            core.handle_timer(now)
+        for dg in core.datagrams_to_send(now):
+            self._send(dg)
+        self._deliver_events()
+
+    def _start_jobs(self, now: float) -> None:
+        plane = self.plane
+        while True:
+            try:
+                job = plane._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.core.start(
+                    job.step, job.bucket, job.data, job.layer_position, now, dtype=job.dtype
+                )
+            except (ValueError, GradlaneError) as exc:
+                job.future.set_exception(exc)
+                continue
+            plane._futures[(job.step, job.bucket)] = job.future
+            # world == 1 completes inside start(); deliver it now rather than at the next wake.
+            self._deliver_events()
+
+    def _send(self, dg: Datagram) -> None:
+        s = self.pushes[(dg.peer, dg.path)]
+        n = self.plane._n
+        n["frames_out"] += 1
+        n["bytes_out"] += len(dg.data)
+        pending = self.backlog.get(s)
+        if pending:  # keep per-socket order: never overtake the backlog
+            pending.append(dg.data)
+            return
+        try:
+            s.send(dg.data, zmq.NOBLOCK, copy=len(dg.data) < ZERO_COPY_MIN_BYTES)
+        except zmq.Again:
+            self.backlog[s] = deque([dg.data])
+            self.poller.register(s, zmq.POLLOUT)
+            n["backlogged"] += 1
+
+    def _flush_backlog(self, s: zmq.Socket[bytes]) -> None:
+        pending = self.backlog[s]
+        while pending:
+            data = pending[0]
+            try:
+                s.send(data, zmq.NOBLOCK, copy=len(data) < ZERO_COPY_MIN_BYTES)
+            except zmq.Again:
+                return
+            pending.popleft()
+        del self.backlog[s]
+        self.poller.unregister(s)
+
+    def _deliver_events(self) -> None:
+        plane, n = self.plane, self.plane._n
+        done = False
+        while (ev := self.core.next_event()) is not None:
+            if isinstance(ev, AllReduceComplete):
+                fut = plane._futures.pop((ev.step, ev.bucket), None)
+                n["completed"] += 1
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    fut.set_result((ev.result, ev.report))
+                done = True
+            elif isinstance(ev, AllReduceFailed):
+                fut = plane._futures.pop((ev.step, ev.bucket), None)
+                n["failed"] += 1
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    fut.set_exception(ev.error)
+                done = True
+        if done:
+            plane._endpoint_stats = self.core.endpoint.stats()
