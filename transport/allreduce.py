@@ -191,6 +191,20 @@ class TransposeAllReduce:
         received[me] = 1
         spec = TransferSpec(step, bucket, me, Phase.REDUCE, wdt, hi - lo, chunk_elems, 0, world)
         senders = tuple(r for r in range(world) if r != me)
+        # The reduce transfer is expected first: every transfer of this collective shares one
+        # hard deadline, and the receiver checks them in insertion order, so when a peer never
+        # sends, the failure names it (reduce phase) rather than a neighbour whose gather is
+        # only late because it waits for that peer too.
+        ep.receiver.expect(
+            InKey(step, bucket, me, Phase.REDUCE),
+            spec,
+            senders,
+            accum,
+            contrib,
+            received,
+            now,
+            ep.session,
+        )
         for j in range(world):
             if j == me:
                 continue
@@ -219,16 +233,6 @@ class TransposeAllReduce:
                     now,
                     pinned,
                 )
-        ep.receiver.expect(
-            InKey(step, bucket, me, Phase.REDUCE),
-            spec,
-            senders,
-            accum,
-            contrib,
-            received,
-            now,
-            ep.session,
-        )
         self._pump(now)
 
     @property

@@ -1,0 +1,343 @@
+"""Engines over real UDP on loopback: 127.0.0.1 and 127.0.0.2 are the two paths.
+
+Every engine is closed by the ``cluster`` fixture, every wait is a Future with a timeout, and
+every test has a pytest timeout, so a hang is a failure, never a stuck run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from scheduling.loss import LossConfig
+from scheduling.pacing import PacingConfig
+from transport.config import TransportConfig
+from transport.engine import Engine
+from transport.errors import ConfigError, PeerTimeout, TransferFailed
+from transport.packet import DType, Header, Kind, Phase, encode
+from transport.rendezvous import Address, StaticPeers
+from transport.tag import TagKey
+
+WAIT_S = 60.0
+# The default pacing on purpose: two engines in one process share the GIL (and this machine a
+# benchmark), so RTT samples carry millisecond scheduling delays that no queue caused. With a
+# 100 µs delay floor that read as congestion, pinned the rate at 1 MB/s and a 10 MB bucket hit the
+# hard deadline; the 2 ms default floor absorbs it, and the repeated 10 MB test guards that.
+PACING = PacingConfig()
+CFG = TransportConfig(n_paths=2, chunk_bytes=65000, pacing=PACING)
+
+MakeCluster = Callable[..., list[Engine]]
+
+
+@pytest.fixture
+def cluster() -> Iterator[MakeCluster]:
+    """Factory of started, connected engines; closes all of them (and dummy sockets) after."""
+    engines: list[Engine] = []
+    socks: list[socket.socket] = []
+
+    def make(
+        world: int, config: TransportConfig = CFG, ranks: list[int] | None = None
+    ) -> list[Engine]:
+        """Start engines for ``ranks`` (default: all); absent ranks get a silent socket."""
+        ranks = list(range(world)) if ranks is None else ranks
+        addrs: dict[int, list[Address]] = {}
+        started = []
+        for r in range(world):
+            if r in ranks:
+                e = Engine(r, world, config)
+                engines.append(e)
+                started.append(e)
+                addrs[r] = e.start()
+            else:  # a peer that never starts: its address exists but nobody answers
+                addrs[r] = []
+                for host in (f"127.0.0.{1 + p}" for p in range(config.n_paths)):
+                    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                    socks.append(s)
+                    s.bind((host, 0))
+                    addrs[r].append(s.getsockname())
+        rdv = StaticPeers(addrs)
+        for e in started:
+            e.set_peers(rdv)
+        return started
+
+    try:
+        yield make
+    finally:
+        for e in engines:
+            e.close()
+        for s in socks:
+            s.close()
+
+
+def allreduce(
+    engines: list[Engine], step: int, data: list[np.ndarray], dtype: int | None = None
+) -> list:
+    """Submit bucket 0 of ``step`` on every engine and wait for all results."""
+    futs = [e.submit(step, 0, d, dtype=dtype) for e, d in zip(engines, data, strict=True)]
+    return [f.result(WAIT_S) for f in futs]
+
+
+def bf16_words(x: np.ndarray) -> np.ndarray:
+    """float32 → bf16 words by truncation (exactly representable inputs for the reference)."""
+    return (x.astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+def bf16_to_f32(w: np.ndarray) -> np.ndarray:
+    return (w.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+# -- correctness ---------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("kind", "n"),
+    [
+        ("f32", 1),
+        ("f32", 1001),
+        ("f32", 262_147),  # ~1 MB
+        ("f32", 2_621_447),  # ~10 MB
+        ("f16", 300_001),
+        ("bf16", 300_001),
+    ],
+)
+def test_reliable_allreduce_equals_sum(cluster: MakeCluster, world: int, kind: str, n: int):
+    engines = cluster(world)
+    rng = np.random.default_rng(world * 1000 + n)
+    f32 = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    if kind == "f32":
+        data = f32
+        results = allreduce(engines, 1, data)
+        ref = np.sum(np.stack(data), axis=0, dtype=np.float32)
+        for res, rep in results:
+            assert res.dtype == np.float32 and res.shape == (n,)
+            assert not rep.degraded and rep.delivered_fraction == 1.0
+            if world == 2:  # a + b is the same in either order
+                np.testing.assert_array_equal(res, ref)
+            else:  # arrival order sets the summation order
+                np.testing.assert_allclose(res, ref, rtol=1e-5, atol=1e-5)
+    elif kind == "f16":
+        data = [x.astype(np.float16) for x in f32]
+        results = allreduce(engines, 1, data)
+        ref = np.sum(np.stack([d.astype(np.float32) for d in data]), axis=0).astype(np.float16)
+        for res, _ in results:
+            assert res.dtype == np.float16
+            np.testing.assert_array_equal(res, ref)
+    else:
+        data = [bf16_words(x) for x in f32]
+        results = allreduce(engines, 1, data, dtype=DType.BF16)
+        ref = np.sum(np.stack([bf16_to_f32(d) for d in data]), axis=0)
+        for res, _ in results:
+            assert res.dtype == np.uint16
+            # one bf16 rounding of the f32 sum: within half a bf16 ulp (2^-8 relative)
+            np.testing.assert_allclose(bf16_to_f32(res), ref, rtol=2.0**-8, atol=1e-30)
+
+
+@pytest.mark.timeout(60)
+def test_both_loopback_paths_carry_traffic(cluster: MakeCluster):
+    engines = cluster(2)
+    rng = np.random.default_rng(7)
+    data = [rng.standard_normal(1_000_003).astype(np.float32) for _ in engines]
+    for _, rep in allreduce(engines, 1, data):
+        assert len(rep.sender.per_path_bytes) == 2
+        assert all(b > 0 for b in rep.sender.per_path_bytes), rep.sender.per_path_bytes
+
+
+@pytest.mark.timeout(60)
+def test_sequential_steps_and_buckets(cluster: MakeCluster):
+    engines = cluster(2)
+    rng = np.random.default_rng(3)
+    for step in range(1, 4):
+        futs = {}
+        for bucket, n in enumerate((5000, 70_001)):
+            data = [rng.standard_normal(n).astype(np.float32) for _ in engines]
+            futs[bucket] = (
+                data,
+                [e.submit(step, bucket, d) for e, d in zip(engines, data, strict=True)],
+            )
+        for data, fs in futs.values():
+            for f in fs:
+                np.testing.assert_array_equal(f.result(WAIT_S)[0], data[0] + data[1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n_paths", [1, 2])
+def test_repeated_10mb_collectives_stay_exact(cluster: MakeCluster, n_paths: int):
+    """The same engines, step after step: the pacing state carries over between collectives."""
+    engines = cluster(2, TransportConfig(n_paths=n_paths, chunk_bytes=65000, pacing=PACING))
+    rng = np.random.default_rng(9)
+    data = [rng.standard_normal(2_621_440).astype(np.float32) for _ in engines]
+    for step in range(1, 7):
+        for res, rep in allreduce(engines, step, data):
+            assert not rep.degraded
+            np.testing.assert_array_equal(res, data[0] + data[1])
+
+
+def _free_ports(n: int) -> list[int]:
+    """Ports the kernel just handed out (closed again): free unless someone races us."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_static_peer_list_with_fixed_ports():
+    """A config-file style peer list: every engine binds its listed address and looks up the
+    others in ``start()``; one path per rank here."""
+    ports = _free_ports(2)
+    table = StaticPeers({r: [("127.0.0.1", ports[r])] for r in range(2)})
+    cfg = TransportConfig(chunk_bytes=65000, pacing=PACING)
+    data = [np.arange(10_001, dtype=np.float32), np.ones(10_001, dtype=np.float32)]
+    with (
+        Engine(0, 2, cfg, table, [("127.0.0.1", ports[0])]) as e0,
+        Engine(1, 2, cfg, table, [("127.0.0.1", ports[1])]) as e1,
+    ):
+        assert e0.bound == [("127.0.0.1", ports[0])]
+        for res, _ in allreduce([e0, e1], 1, data):
+            np.testing.assert_array_equal(res, data[0] + data[1])
+
+
+# -- hostile input ---------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_garbage_and_forged_datagrams_are_counted_not_harmful(cluster: MakeCluster):
+    e0, e1 = cluster(2)
+    rng = np.random.default_rng(11)
+    n, step = 2_621_447, 5
+    data = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    before = e0.stats()
+    f0 = e0.submit(step, 0, data[0])
+    # While rank 0 waits for rank 1, junk lands on both of its paths ahead of rank 1's data.
+    forged = encode(
+        Header(
+            kind=Kind.DATA,
+            job=CFG.job,
+            step=step,
+            bucket=0,
+            shard=0,
+            src=1,
+            dst=0,
+            chunk=0,
+            count=16,
+            dtype=DType.F32,
+            phase=Phase.REDUCE,
+        ),
+        np.full(16, 1e9, dtype=np.float32),
+        TagKey.from_secret("not the job's key"),
+    )
+    n_junk = n_forged = 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for addr in e0.bound:
+            for size in (1, 7, 47, 48, 100, 1500, 65000):
+                s.sendto(rng.integers(0, 256, size, dtype=np.uint8).tobytes(), addr)
+                n_junk += 1
+            for _ in range(3):
+                s.sendto(forged, addr)
+                n_forged += 1
+    f1 = e1.submit(step, 0, data[1])
+    for res, rep in (f0.result(WAIT_S), f1.result(WAIT_S)):
+        np.testing.assert_array_equal(res, data[0] + data[1])
+        assert not rep.degraded
+    after = e0.stats()
+    rejected = after["rejected"]
+    assert rejected.get("bad_tag", 0) - before["rejected"].get("bad_tag", 0) >= n_forged
+    assert sum(rejected.values()) - sum(before["rejected"].values()) >= n_junk + n_forged
+    assert rejected.get("truncated", 0) >= 4  # 1, 7, 47 bytes and the empty-payload header
+
+
+# -- failures --------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_peer_that_never_starts_fails_with_peer_timeout(cluster: MakeCluster):
+    cfg = TransportConfig(
+        n_paths=2,
+        chunk_bytes=65000,
+        pacing=PACING,
+        loss=LossConfig(hard_deadline_s=0.5, soft_deadline_max_s=0.2, on_hard_deadline="raise"),
+    )
+    engines = cluster(3, cfg, ranks=[0, 1])
+    futs = [e.submit(1, 0, np.ones(10_000, dtype=np.float32)) for e in engines]
+    for f in futs:
+        with pytest.raises(PeerTimeout) as info:
+            f.result(WAIT_S)
+        assert 2 in info.value.ranks
+        assert "rank(s) 2" in str(info.value) and "step 1 bucket 0" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_close_mid_collective_fails_the_future(cluster: MakeCluster):
+    (e0,) = cluster(2, ranks=[0])
+    fut = e0.submit(1, 0, np.ones(100_000, dtype=np.float32))
+    assert e0.stats()["in_flight"] == 1  # stats runs on the loop after the submit did
+    e0.close()
+    with pytest.raises(TransferFailed, match="engine closed"):
+        fut.result(WAIT_S)
+    late = e0.submit(2, 0, np.ones(10, dtype=np.float32))
+    with pytest.raises(TransferFailed, match="engine closed"):
+        late.result(WAIT_S)
+
+
+@pytest.mark.timeout(60)
+def test_close_from_a_done_callback_does_not_deadlock(cluster: MakeCluster):
+    e0, e1 = cluster(2)
+    data = [np.arange(1000, dtype=np.float32)] * 2
+    closed = threading.Event()
+    f0 = e0.submit(1, 0, data[0])
+    f0.add_done_callback(lambda _: (e0.close(), closed.set()))  # runs on e0's loop thread
+    e1.submit(1, 0, data[1])
+    np.testing.assert_array_equal(f0.result(WAIT_S)[0], data[0] * 2)
+    assert closed.wait(WAIT_S)
+    e0.close()  # from this thread: joins the loop thread
+    with pytest.raises(TransferFailed, match="engine closed"):
+        e0.submit(2, 0, data[0]).result(WAIT_S)
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use_is_a_clear_error():
+    threads = threading.active_count()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        engine = Engine(0, 2, TransportConfig(), local_addrs=[("127.0.0.1", port)])
+        try:
+            with pytest.raises(ConfigError, match=f"127.0.0.1:{port}.*already in use"):
+                engine.start()
+        finally:
+            engine.close()
+    assert threading.active_count() == threads
+
+
+def test_wrong_number_of_local_addresses_is_a_config_error():
+    with pytest.raises(ConfigError, match="one address per path"):
+        Engine(0, 2, TransportConfig(n_paths=2), local_addrs=["127.0.0.1"])
+
+
+# -- resources -------------------------------------------------------------------------------------
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(120)
+def test_no_thread_or_fd_growth_after_50_collectives(cluster: MakeCluster):
+    rng = np.random.default_rng(5)
+    data = [rng.standard_normal(20_001).astype(np.float32) for _ in range(2)]
+    warm = cluster(2)  # imports, numba caches and loop machinery, once
+    allreduce(warm, 1, data)
+    for e in warm:
+        e.close()
+    threads, fds = threading.active_count(), _fds()
+    engines = cluster(2)
+    for step in range(1, 51):
+        for res, _ in allreduce(engines, step, data):
+            np.testing.assert_array_equal(res, data[0] + data[1])
+    for e in engines:
+        e.close()
+    assert threading.active_count() == threads
+    assert _fds() == fds

@@ -1,0 +1,351 @@
+"""The engine (ARCHITECTURE §6): an event loop on its own thread driving one rank's
+:class:`~transport.allreduce.TransposeAllReduce` over real UDP sockets.
+
+Theory of operation
+-------------------
+The protocol core is sans-I/O; the engine is its driver, like aioquic's asyncio glue. All core
+calls happen on the loop thread. After every input (a read wakeup, the timer, a submitted
+bucket) the engine runs ``_service``: it sends ``datagrams_to_send(now)``, turns events into
+Future results, and re-arms the one loop timer from ``get_timer()``. ``now`` is always
+``time.monotonic()``; the loop's own clock is only used to place the timer.
+
+Other threads talk to the engine with :meth:`Engine.submit`, which returns a
+``concurrent.futures.Future`` resolved on the loop thread with ``(result, CollectiveReport)``,
+or failed with the transport's error (``PeerTimeout`` naming the late ranks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from transport.allreduce import TransposeAllReduce
+from transport.config import TransportConfig
+from transport.errors import ConfigError, TransferFailed
+from transport.events import AllReduceComplete, AllReduceFailed, CollectiveReport
+from transport.rendezvous import Address, Rendezvous
+from transport.udp import DEFAULT_BUFSIZE, UdpPaths, new_event_loop
+
+__all__ = ["Engine", "default_local_addrs"]
+
+log = logging.getLogger(__name__)
+
+#: How long ``start``/``stats``/``close`` wait for the loop thread before giving up.
+CONTROL_TIMEOUT_S = 10.0
+
+Result = tuple[np.ndarray, CollectiveReport]
+
+
+def default_local_addrs(n_paths: int) -> list[Address]:
+    """Loopback path addresses 127.0.0.1, 127.0.0.2, ... (port 0: any free port)."""
+    return [(f"127.0.0.{1 + p}", 0) for p in range(n_paths)]
+
+
+class Engine:
+    """One rank's UDP transport: sockets, event loop thread and all-reduce core.
+
+    ``local_addrs`` are the local path addresses, one per ``config.n_paths`` (``(host, port)``
+    or a bare host for port 0; default: 127.0.0.1, 127.0.0.2, ...). With a ``rendezvous``,
+    :meth:`start` publishes the bound addresses and looks up every peer's; without one, call
+    :meth:`set_peers` after :meth:`start` (so tests can bind port 0, then exchange addresses).
+
+    Use as a context manager, or call :meth:`close`; it fails in-flight Futures with
+    :class:`TransferFailed`, closes the sockets and joins the thread.
+    """
+
+    def __init__(
+        self,
+        me: int,
+        world: int,
+        config: TransportConfig | None = None,
+        rendezvous: Rendezvous | None = None,
+        local_addrs: Sequence[Address | str] | None = None,
+        *,
+        bufsize: int = DEFAULT_BUFSIZE,
+    ) -> None:
+        self.me = me
+        self.world = world
+        self.config = cfg = config or TransportConfig()
+        addrs = default_local_addrs(cfg.n_paths) if local_addrs is None else local_addrs
+        self.local_addrs: list[Address] = [
+            (a, 0) if isinstance(a, str) else (a[0], int(a[1])) for a in addrs
+        ]
+        if len(self.local_addrs) != cfg.n_paths:
+            raise ConfigError(
+                f"{len(self.local_addrs)} local address(es) {self.local_addrs} for "
+                f"n_paths={cfg.n_paths}: give one address per path"
+            )
+        self._rendezvous = rendezvous
+        self._core = TransposeAllReduce(me, world, cfg)
+        self._udp = UdpPaths(self._on_datagram, self._on_readable, bufsize=bufsize)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._futures: dict[tuple[int, int], concurrent.futures.Future[Result]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed: float | None = None
+        self._service_pending = False
+        self._closed = False
+        self._stopping = False
+        self._lock = threading.Lock()  # guards _closed against submit() racing close()
+        self.bound: list[Address] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> list[Address]:
+        """Start the loop thread and bind the sockets; returns the bound addresses per path.
+
+        Raises :class:`ConfigError` (e.g. a port in use, naming the address); the engine is then
+        closed.
+        """
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        loop = self._loop = new_event_loop()
+        self._thread = threading.Thread(
+            target=self._run, args=(loop,), name=f"gradlane-engine-r{self.me}", daemon=True
+        )
+        self._thread.start()
+        pr = self.config.priority
+        tos_values = [pr.tos(c) for c in range(pr.n_classes)]
+        fut = asyncio.run_coroutine_threadsafe(
+            self._udp.open(self.local_addrs, tos_values, main_tos=pr.tos(0)), loop
+        )
+        try:
+            self.bound = fut.result(CONTROL_TIMEOUT_S)
+            if self._rendezvous is not None:
+                self._rendezvous.publish(self.me, self.bound)
+                self.set_peers(self._rendezvous)
+        except BaseException:
+            self.close()
+            raise
+        log.info("rank %d/%d bound %s", self.me, self.world, self.bound)
+        return list(self.bound)
+
+    def set_peers(self, rendezvous: Rendezvous) -> None:
+        """Look up every rank's path addresses (blocking on the rendezvous if it must)."""
+        peers = [rendezvous.addresses(r) for r in range(self.world)]
+        self._call(lambda: self._udp.set_peers(peers))
+
+    def close(self) -> None:
+        """Fail in-flight Futures, close the sockets, stop the loop and join its thread.
+
+        Idempotent. Called on the loop thread (e.g. from a Future's done-callback), it only
+        schedules the shutdown: a thread cannot join itself.
+        """
+        with self._lock:
+            self._closed = True
+            initiate = not self._stopping  # exactly one caller runs the shutdown
+            self._stopping = True
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        on_loop = threading.current_thread() is thread
+        if initiate and on_loop:
+            task = loop.create_task(self._shutdown())
+            task.add_done_callback(lambda _: loop.stop())
+        elif initiate:
+            try:
+                fut = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+                fut.result(CONTROL_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:
+                log.error("rank %d: engine shutdown timed out; stopping the loop", self.me)
+            except RuntimeError:  # the loop thread died (a bug): nothing left to shut down
+                log.error("rank %d: engine loop was already closed", self.me)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(loop.stop)
+        if not on_loop:
+            thread.join(CONTROL_TIMEOUT_S)
+            if thread.is_alive():
+                log.error("rank %d: engine thread did not stop", self.me)
+
+    def __enter__(self) -> Engine:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the thread-safe API ---------------------------------------------------------------------
+    def submit(
+        self,
+        step: int,
+        bucket: int,
+        data: np.ndarray,
+        layer_position: float = 0.5,
+        dtype: int | None = None,
+    ) -> concurrent.futures.Future[Result]:
+        """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
+
+        Returns a Future of ``(result, CollectiveReport)``; the result is a new array (the SUM
+        over ranks). The engine reads ``data`` on its thread: do not modify it until the Future
+        is done. Errors (a bad bucket, a late peer, a closed engine) fail the Future.
+        """
+        fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
+        with self._lock:
+            loop = self._loop
+            if self._closed or loop is None:
+                state = "closed" if self._closed else "not started"
+                fut.set_exception(
+                    TransferFailed(f"engine {state}: step {step} bucket {bucket} not submitted")
+                )
+                return fut
+            loop.call_soon_threadsafe(self._start, fut, step, bucket, data, layer_position, dtype)
+        return fut
+
+    def stats(self) -> dict[str, Any]:
+        """The endpoint's reject counters and totals plus the sockets' counters (``"udp"``)."""
+
+        def collect() -> dict[str, Any]:
+            out = dict(self._core.endpoint.stats())
+            out["udp"] = asdict(self._udp.counters)
+            out["in_flight"] = self._core.in_flight
+            return out
+
+        return self._call(collect)
+
+    # -- loop thread -----------------------------------------------------------------------------
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            try:
+                loop.run_until_complete(self._udp.wait_closed())
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+
+    def _call(self, fn: Any) -> Any:
+        """Run ``fn()`` on the loop thread and return its result (directly when not running)."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return fn()
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(CONTROL_TIMEOUT_S)
+
+    async def _shutdown(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for (step, bucket), fut in list(self._futures.items()):
+            if not fut.done():
+                fut.set_exception(
+                    TransferFailed(
+                        f"engine closed while rank {self.me} was all-reducing step {step} "
+                        f"bucket {bucket}"
+                    )
+                )
+        self._futures.clear()
+        await self._udp.wait_closed()
+
+    def _start(
+        self,
+        fut: concurrent.futures.Future[Result],
+        step: int,
+        bucket: int,
+        data: np.ndarray,
+        layer_position: float,
+        dtype: int | None,
+    ) -> None:
+        if self._closed:
+            fut.set_exception(TransferFailed(f"engine closed: step {step} bucket {bucket}"))
+            return
+        if not fut.set_running_or_notify_cancel():
+            return
+        key = (step, bucket)
+        if key in self._futures:
+            fut.set_exception(
+                TransferFailed(f"step {step} bucket {bucket} is already being all-reduced")
+            )
+            return
+        self._futures[key] = fut
+        try:
+            self._core.start(step, bucket, data, layer_position, time.monotonic(), dtype=dtype)
+        except Exception as e:  # a bad bucket fails its own Future, never the loop
+            del self._futures[key]
+            fut.set_exception(e)
+            return
+        self._service()
+
+    def _on_datagram(self, data: bytes, path: int) -> None:
+        self._core.receive_datagram(data, path, time.monotonic())
+
+    def _on_readable(self) -> None:
+        # One service per wakeup: the datagrams read in this loop iteration are batched by the
+        # endpoint and answered together.
+        if not self._service_pending and self._loop is not None:
+            self._service_pending = True
+            self._loop.call_soon(self._service)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._armed = None
+        if self._closed:
+            return
+        try:
+            self._core.handle_timer(time.monotonic())
+        except Exception as e:
+            self._crashed(e)
+            return
+        self._service()
+
+    def _service(self) -> None:
+        """Flush output, resolve finished collectives, re-arm the timer."""
+        self._service_pending = False
+        if self._closed:
+            return
+        try:
+            self._service_once()
+        except Exception as e:
+            self._crashed(e)
+
+    def _crashed(self, e: Exception) -> None:
+        # A bug in the core must not leave callers waiting forever on their Futures.
+        log.exception("rank %d: engine failed", self.me)
+        for (step, bucket), fut in list(self._futures.items()):
+            if not fut.done():
+                err = TransferFailed(f"engine error during step {step} bucket {bucket}: {e!r}")
+                err.__cause__ = e
+                fut.set_exception(err)
+        self._futures.clear()
+
+    def _service_once(self) -> None:
+        core = self._core
+        now = time.monotonic()
+        self._udp.send(core.datagrams_to_send(now))
+        while (ev := core.next_event()) is not None:
+            if isinstance(ev, AllReduceComplete):
+                fut = self._futures.pop((ev.step, ev.bucket), None)
+                if fut is not None and not fut.done():
+                    fut.set_result((ev.result, ev.report))
+            elif isinstance(ev, AllReduceFailed):
+                fut = self._futures.pop((ev.step, ev.bucket), None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(ev.error)
+        self._arm(core.get_timer(), now)
+
+    def _arm(self, when: float | None, now: float) -> None:
+        if when == self._armed:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._armed = when
+        if when is not None:
+            assert self._loop is not None
+            # The core's clock is time.monotonic(); place the deadline on the loop's clock.
+            self._timer = self._loop.call_at(
+                self._loop.time() + max(0.0, when - now), self._on_timer
+            )
