@@ -137,6 +137,7 @@ def transport_config(cfg: Config, net: NetSpec, chunk_bytes: int) -> TransportCo
             soft_deadline_min_s=0.001,
             soft_deadline_max_s=0.2,
             hard_deadline_s=2.0,
+            on_hard_deadline="degrade",  # a training job prefers progress; losses are reported
         ),
         # Start each (peer, path) at an even share of the NIC so N-1 senders do not incast
         # one receiver; the controller probes up from there.
@@ -144,6 +145,8 @@ def transport_config(cfg: Config, net: NetSpec, chunk_bytes: int) -> TransportCo
             initial_rate_Bps=host_rate / max(net.ranks - 1, 1) / net.spines,
             max_rate_Bps=host_rate,
             increase_Bps_per_s=host_rate * 20,
+            # Simulated clocks are exact: a datacenter-grade delay signal.
+            delay_floor_s=100e-6,
         ),
     )
 

@@ -69,8 +69,10 @@ class LossConfig:
         ewma_alpha: weight of a new sample in the duration EWMA (RFC 6298: 1/8).
         ewma_beta: weight of a new sample in the deviation EWMA (RFC 6298: 1/4).
         hard_deadline_s: after this long a transfer completes degraded or fails.
-        on_hard_deadline: ``"degrade"`` (complete with what arrived and report it) or
-            ``"raise"`` (fail the transfer; the transport raises ``PeerTimeout``).
+        on_hard_deadline: ``"raise"`` (the default: fail the transfer, the transport raises
+            ``PeerTimeout``; never hand back partial data unasked, and with ``loss_bound = 0``
+            the only reading of "reliable") or ``"degrade"`` (complete with what arrived and
+            report it, for jobs that prefer progress over exactness).
     """
 
     loss_bound: float = 0.0
@@ -81,7 +83,7 @@ class LossConfig:
     ewma_alpha: float = 0.125
     ewma_beta: float = 0.25
     hard_deadline_s: float = 5.0
-    on_hard_deadline: Literal["degrade", "raise"] = "degrade"
+    on_hard_deadline: Literal["degrade", "raise"] = "raise"
 
     def __post_init__(self) -> None:
         for name in ("loss_bound", "gather_loss_bound"):

@@ -67,7 +67,9 @@ class PacingConfig:
         delay_threshold: relative RTT growth over ``min_rtt`` that counts as congestion.
         delay_floor_s: absolute RTT growth below which delay is never congestion (on loopback
             and in a datacenter ``min_rtt`` is tens of microseconds; jitter alone would trip a
-            purely relative threshold).
+            purely relative threshold). The 2 ms default absorbs a real host's scheduling noise
+            (a Python process waiting for its interpreter lock sees ms-scale RTT swings with no
+            queue anywhere); a simulated network with exact clocks can use ~100 µs.
         decrease: multiplicative decrease factor on a congestion signal, in (0, 1).
         increase_Bps_per_s: additive increase while clean, bytes/s gained per second.
         increase_gain: multiplicative increase while clean, fraction of the rate per RTT.
@@ -81,7 +83,7 @@ class PacingConfig:
     max_rate_Bps: float = 1.25e10  # noqa: N815 (B = bytes)
     burst_bytes: int = 65536
     delay_threshold: float = 0.5
-    delay_floor_s: float = 100e-6
+    delay_floor_s: float = 0.002
     decrease: float = 0.7
     increase_Bps_per_s: float = 1.25e9  # noqa: N815 (B = bytes)
     increase_gain: float = 0.0

@@ -101,6 +101,8 @@ class InTransfer:
         self.trigger_at = np.zeros(n_src, dtype=np.float64)
         self.path = np.zeros(n_src, dtype=np.int64)
         self.nack_at = -np.inf
+        self.nack_backoff = 1.0
+        self.got_at_nack = -1
         self.check_at = np.inf
         self.bytes_received = 0
         self.duplicates = 0
@@ -375,10 +377,11 @@ class ReceiverCore:
         """
         soft = t.started + self.loss.soft_deadline(t.gather)
         hard = t.started + self.config.loss.hard_deadline_s
-        t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval()))
+        t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval(t)))
 
-    def _nack_interval(self) -> float:
-        return max(self.config.min_rto_s, 4 * self.config.ack_delay_s)
+    def _nack_interval(self, t: InTransfer) -> float:
+        base = max(self.config.min_rto_s, 4 * self.config.ack_delay_s)
+        return base * t.nack_backoff
 
     def _ack(self, t: InTransfer, r: int, now: float) -> None:
         src = int(r + t.spec.src_lo)
@@ -450,8 +453,12 @@ class ReceiverCore:
 
     def _nack(self, t: InTransfer, need: np.ndarray, now: float) -> None:
         """Ask senders for the chunks the policy still needs (at most once per interval)."""
-        if now < t.nack_at + self._nack_interval():
+        if now < t.nack_at + self._nack_interval(t):
             return
+        # Back off while NACKs bring nothing new (a slow or silent sender); any progress resets.
+        progressed = t.got != t.got_at_nack
+        t.nack_backoff = 1.0 if progressed else min(t.nack_backoff * 2.0, 64.0)
+        t.got_at_nack = t.got
         t.nack_at = now
         need = np.asarray(need, dtype=np.int64).reshape(-1, 2)  # rows: (sender index, chunk)
         src_idx, chunks = need[:, 0], need[:, 1]

@@ -218,7 +218,9 @@ def test_bound_zero_waits_for_everything_until_the_hard_deadline() -> None:
         v = case.decide(policy, now=t)
         assert v.decision == Decision.CONTINUE
         assert v.need.tolist() == [[0, 99]]
-    assert case.decide(policy, now=5.0).decision == Decision.COMPLETE_DEGRADED
+    assert case.decide(policy, now=5.0).decision == Decision.FAIL  # reliable: never partial data
+    degrading = LossPolicy(LossConfig(on_hard_deadline="degrade"))
+    assert case.decide(degrading, now=5.0).decision == Decision.COMPLETE_DEGRADED
 
 
 def test_sender_with_nothing_to_send() -> None:
