@@ -24,7 +24,7 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``gradlane demo``."""
     p.add_argument("--ranks", type=int, default=8, help="simulated ranks (default 8)")
-    p.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
+    p.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     p.add_argument(
         "--congest",
         type=float,

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -258,6 +260,21 @@ def run_config(
     }
 
 
+def _commit() -> str | None:
+    """The git commit the results were produced with (None outside a checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(__file__),
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def _pct(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) if a.size else math.nan
 
@@ -370,6 +387,7 @@ def run(args: argparse.Namespace) -> int:
             "results": rows,
             "scale": scale,
             "command": " ".join(sys.argv),
+            "commit": _commit(),
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2, default=float)
