@@ -30,7 +30,7 @@ import numpy as np
 from transport.allreduce import TransposeAllReduce
 from transport.config import TransportConfig
 from transport.errors import ConfigError, TransferFailed
-from transport.events import AllReduceComplete, AllReduceFailed, CollectiveReport
+from transport.pending import CollectiveResult, PendingCollectives
 from transport.rendezvous import Address, Rendezvous
 from transport.udp import DEFAULT_BUFSIZE, UdpPaths, new_event_loop
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 #: How long ``start``/``stats``/``close`` wait for the loop thread before giving up.
 CONTROL_TIMEOUT_S = 10.0
 
-Result = tuple[np.ndarray, CollectiveReport]
+Result = CollectiveResult
 
 
 def default_local_addrs(n_paths: int) -> list[Address]:
@@ -88,7 +88,7 @@ class Engine:
         self._udp = UdpPaths(self._on_datagram, self._on_readable, bufsize=bufsize)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._futures: dict[tuple[int, int], concurrent.futures.Future[Result]] = {}
+        self._pending = PendingCollectives()
         self._timer: asyncio.TimerHandle | None = None
         self._armed: float | None = None
         self._service_pending = False
@@ -239,15 +239,11 @@ class Engine:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for (step, bucket), fut in list(self._futures.items()):
-            if not fut.done():
-                fut.set_exception(
-                    TransferFailed(
-                        f"engine closed while rank {self.me} was all-reducing step {step} "
-                        f"bucket {bucket}"
-                    )
-                )
-        self._futures.clear()
+        self._pending.fail_all(
+            lambda step, bucket: TransferFailed(
+                f"engine closed while rank {self.me} was all-reducing step {step} bucket {bucket}"
+            )
+        )
         await self._udp.wait_closed()
 
     def _start(
@@ -262,22 +258,9 @@ class Engine:
         if self._closed:
             fut.set_exception(TransferFailed(f"engine closed: step {step} bucket {bucket}"))
             return
-        if not fut.set_running_or_notify_cancel():
-            return
-        key = (step, bucket)
-        if key in self._futures:
-            fut.set_exception(
-                TransferFailed(f"step {step} bucket {bucket} is already being all-reduced")
-            )
-            return
-        self._futures[key] = fut
-        try:
-            self._core.start(step, bucket, data, layer_position, time.monotonic(), dtype=dtype)
-        except Exception as e:  # a bad bucket fails its own Future, never the loop
-            del self._futures[key]
-            fut.set_exception(e)
-            return
-        self._service()
+        now = time.monotonic()
+        if self._pending.start(self._core, fut, step, bucket, data, layer_position, dtype, now):
+            self._service()
 
     def _on_datagram(self, data: bytes, path: int) -> None:
         self._core.receive_datagram(data, path, time.monotonic())
@@ -314,26 +297,19 @@ class Engine:
     def _crashed(self, e: Exception) -> None:
         # A bug in the core must not leave callers waiting forever on their Futures.
         log.exception("rank %d: engine failed", self.me)
-        for (step, bucket), fut in list(self._futures.items()):
-            if not fut.done():
-                err = TransferFailed(f"engine error during step {step} bucket {bucket}: {e!r}")
-                err.__cause__ = e
-                fut.set_exception(err)
-        self._futures.clear()
+
+        def error(step: int, bucket: int) -> TransferFailed:
+            err = TransferFailed(f"engine error during step {step} bucket {bucket}: {e!r}")
+            err.__cause__ = e
+            return err
+
+        self._pending.fail_all(error)
 
     def _service_once(self) -> None:
         core = self._core
         now = time.monotonic()
         self._udp.send(core.datagrams_to_send(now))
-        while (ev := core.next_event()) is not None:
-            if isinstance(ev, AllReduceComplete):
-                fut = self._futures.pop((ev.step, ev.bucket), None)
-                if fut is not None and not fut.done():
-                    fut.set_result((ev.result, ev.report))
-            elif isinstance(ev, AllReduceFailed):
-                fut = self._futures.pop((ev.step, ev.bucket), None)
-                if fut is not None and not fut.done():
-                    fut.set_exception(ev.error)
+        self._pending.deliver(core)
         self._arm(core.get_timer(), now)
 
     def _arm(self, when: float | None, now: float) -> None:

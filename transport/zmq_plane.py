@@ -54,8 +54,9 @@ from scheduling.loss import LossConfig
 from scheduling.pacing import PacingConfig
 from transport.allreduce import TransposeAllReduce
 from transport.config import TransportConfig
-from transport.errors import ConfigError, GradlaneError, TransferFailed
-from transport.events import AllReduceComplete, AllReduceFailed, CollectiveReport, Datagram
+from transport.errors import ConfigError, TransferFailed
+from transport.events import Datagram
+from transport.pending import CollectiveResult, PendingCollectives
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "ZmqDataPlane", "zmq_config"]
 
@@ -65,8 +66,6 @@ log = logging.getLogger(__name__)
 ZERO_COPY_MIN_BYTES = 16384
 #: Most frames drained from one socket per loop turn, so timers and sends are not starved.
 RX_DRAIN = 1024
-
-CollectiveResult = tuple[np.ndarray, CollectiveReport]
 
 
 def zmq_config(**overrides: Any) -> TransportConfig:
@@ -150,7 +149,7 @@ class ZmqDataPlane:
         self._core = TransposeAllReduce(me, world, cfg, rng)
         self._hwm = hwm
         self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._futures: dict[tuple[int, int], Future[CollectiveResult]] = {}
+        self._pending = PendingCollectives()
         self._wake_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -284,16 +283,13 @@ class ZmqDataPlane:
                     job = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                self._futures.setdefault((job.step, job.bucket), job.future)
-            pending, self._futures = self._futures, {}
-        for (step, bucket), fut in pending.items():
-            if not fut.done():
-                fut.set_exception(
-                    TransferFailed(
-                        f"rank {self.me}: all-reduce of step {step} bucket {bucket} did not "
-                        f"complete: {reason} while it was in flight"
-                    )
-                )
+                self._pending.add(job.step, job.bucket, job.future)
+        self._pending.fail_all(
+            lambda step, bucket: TransferFailed(
+                f"rank {self.me}: all-reduce of step {step} bucket {bucket} did not "
+                f"complete: {reason} while it was in flight"
+            )
+        )
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -385,16 +381,19 @@ class _Loop:
                 job = plane._inbox.get_nowait()
             except queue.Empty:
                 return
-            try:
-                self.core.start(
-                    job.step, job.bucket, job.data, job.layer_position, now, dtype=job.dtype
-                )
-            except (ValueError, GradlaneError) as exc:
-                job.future.set_exception(exc)
-                continue
-            plane._futures[(job.step, job.bucket)] = job.future
-            # world == 1 completes inside start(); deliver it now rather than at the next wake.
-            self._deliver_events()
+            started = plane._pending.start(
+                self.core,
+                job.future,
+                job.step,
+                job.bucket,
+                job.data,
+                job.layer_position,
+                job.dtype,
+                now,
+            )
+            if started:
+                # world == 1 completes inside start(); deliver it now rather than at the next wake.
+                self._deliver_events()
 
     def _send(self, dg: Datagram) -> None:
         s = self.pushes[(dg.peer, dg.path)]
@@ -426,19 +425,8 @@ class _Loop:
 
     def _deliver_events(self) -> None:
         plane, n = self.plane, self.plane._n
-        done = False
-        while (ev := self.core.next_event()) is not None:
-            if isinstance(ev, AllReduceComplete):
-                fut = plane._futures.pop((ev.step, ev.bucket), None)
-                n["completed"] += 1
-                if fut is not None and fut.set_running_or_notify_cancel():
-                    fut.set_result((ev.result, ev.report))
-                done = True
-            elif isinstance(ev, AllReduceFailed):
-                fut = plane._futures.pop((ev.step, ev.bucket), None)
-                n["failed"] += 1
-                if fut is not None and fut.set_running_or_notify_cancel():
-                    fut.set_exception(ev.error)
-                done = True
-        if done:
+        completed, failed = plane._pending.deliver(self.core)
+        n["completed"] += completed
+        n["failed"] += failed
+        if completed or failed:
             plane._endpoint_stats = self.core.endpoint.stats()
