@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: How long ``start``/``stats``/``close`` wait for the loop thread before giving up.
 CONTROL_TIMEOUT_S = 10.0
+#: How often the shutdown drain re-checks for unacknowledged outgoing transfers.
+DRAIN_POLL_S = 0.001
 
 Result = CollectiveResult
 
@@ -92,7 +94,8 @@ class Engine:
         self._timer: asyncio.TimerHandle | None = None
         self._armed: float | None = None
         self._service_pending = False
-        self._closed = False
+        self._closed = False  # no new work
+        self._io_done = False  # the loop no longer serves the core (after the drain)
         self._stopping = False
         self._lock = threading.Lock()  # guards _closed against submit() racing close()
         self.bound: list[Address] = []
@@ -134,11 +137,15 @@ class Engine:
         peers = [rendezvous.addresses(r) for r in range(self.world)]
         self._call(lambda: self._udp.set_peers(peers))
 
-    def close(self) -> None:
-        """Fail in-flight Futures, close the sockets, stop the loop and join its thread.
+    def close(self, drain_s: float = 2.0) -> None:
+        """Fail in-flight Futures, drain, close the sockets, stop the loop and join its thread.
 
-        Idempotent. Called on the loop thread (e.g. from a Future's done-callback), it only
-        schedules the shutdown: a thread cannot join itself.
+        A rank completes a collective once it has *received* everything, while peers may still
+        lack some of what it sent; for up to ``drain_s`` the engine keeps serving until those
+        outgoing transfers are acknowledged, so a rank that closes right after its last step does
+        not strand a peer until its hard deadline. Idempotent. Called on the loop thread (e.g.
+        from a Future's done-callback), it only schedules the shutdown: a thread cannot join
+        itself.
         """
         with self._lock:
             self._closed = True
@@ -149,12 +156,12 @@ class Engine:
             return
         on_loop = threading.current_thread() is thread
         if initiate and on_loop:
-            task = loop.create_task(self._shutdown())
+            task = loop.create_task(self._shutdown(drain_s))
             task.add_done_callback(lambda _: loop.stop())
         elif initiate:
             try:
-                fut = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
-                fut.result(CONTROL_TIMEOUT_S)
+                fut = asyncio.run_coroutine_threadsafe(self._shutdown(drain_s), loop)
+                fut.result(CONTROL_TIMEOUT_S + drain_s)
             except concurrent.futures.TimeoutError:
                 log.error("rank %d: engine shutdown timed out; stopping the loop", self.me)
             except RuntimeError:  # the loop thread died (a bug): nothing left to shut down
@@ -235,15 +242,29 @@ class Engine:
 
         return asyncio.run_coroutine_threadsafe(run(), loop).result(CONTROL_TIMEOUT_S)
 
-    async def _shutdown(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    async def _shutdown(self, drain_s: float) -> None:
+        aborted = self._pending.keys()
         self._pending.fail_all(
             lambda step, bucket: TransferFailed(
                 f"engine closed while rank {self.me} was all-reducing step {step} bucket {bucket}"
             )
         )
+        # Drain: serve (timers, ACKs, retransmissions) until every outgoing transfer of a
+        # completed collective is acknowledged or stopped, or the bound passes.
+        sender = self._core.endpoint.sender
+        deadline = time.monotonic() + max(drain_s, 0.0)
+
+        def owed() -> bool:
+            return any((k.step, k.bucket) not in aborted for k in sender.transfers)
+
+        while owed() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if owed():
+            log.warning("rank %d: closing with unacknowledged data after %.1fs", self.me, drain_s)
+        self._io_done = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         await self._udp.wait_closed()
 
     def _start(
@@ -275,7 +296,7 @@ class Engine:
     def _on_timer(self) -> None:
         self._timer = None
         self._armed = None
-        if self._closed:
+        if self._io_done:
             return
         try:
             self._core.handle_timer(time.monotonic())
@@ -287,7 +308,7 @@ class Engine:
     def _service(self) -> None:
         """Flush output, resolve finished collectives, re-arm the timer."""
         self._service_pending = False
-        if self._closed:
+        if self._io_done:
             return
         try:
             self._service_once()

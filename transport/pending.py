@@ -38,6 +38,11 @@ class PendingCollectives:
     def __len__(self) -> int:
         return len(self._futures)
 
+    def keys(self) -> set[tuple[int, int]]:
+        """The (step, bucket) of every tracked collective."""
+        with self._lock:
+            return set(self._futures)
+
     def start(
         self,
         core: TransposeAllReduce,

@@ -1,0 +1,361 @@
+"""All-reduce on loopback, one process per rank: gloo vs gradlane (UDP reliable, UDP bounded, ZMQ).
+
+Usage::
+
+    python -m bench.allreduce --ranks 2,4 --sizes 1,25,100 --reps 5 --json out.json
+    python -m bench.allreduce --quick --json /tmp/ar.json     # 2 ranks, 1 and 25 MB, 3 reps
+
+For each rank count the parent spawns one process per rank. Rank 0 hosts a ``TCPStore`` on
+127.0.0.1 (a free port); the gloo group is built on it and the same store carries every rank's
+bound gradlane addresses (UDP: 127.0.0.1 and 127.0.0.2 as two paths; ZeroMQ: a tcp:// endpoint per
+path). Each repetition runs every transport on the same float32 buffer, with a barrier before each
+call; each rank times its own call and the step time is the max over ranks (a gloo MAX
+all-reduce of the times). The first repetition of every (transport, size) checks the result
+against gloo's: the reliable modes must match within float tolerance or the run fails; the
+bounded mode's delivered fraction and error are reported.
+
+Loopback on a shared machine: the numbers are informative, not a network measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+MB = 1 << 20
+TRANSPORTS = ("gloo", "udp_reliable", "udp_bounded", "zmq")
+SUMMARY_KEYS = {
+    "udp_reliable": "udp_reliable_vs_gloo",
+    "udp_bounded": "udp_bounded_vs_gloo",
+    "zmq": "zmq_vs_gloo",
+}
+N_PATHS = 2
+HARD_DEADLINE_S = 120.0
+RTOL = 1e-5
+
+
+def _free_port(host: str = "127.0.0.1", kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# -- rank process ----------------------------------------------------------------------------------
+def _udp_config(loss_bound: float) -> Any:
+    from scheduling.loss import LossConfig
+    from transport.config import TransportConfig
+
+    return TransportConfig(
+        n_paths=N_PATHS,
+        chunk_bytes=65000,
+        loss=LossConfig(
+            loss_bound=loss_bound,
+            hard_deadline_s=HARD_DEADLINE_S,
+            on_hard_deadline="raise" if loss_bound == 0 else "degrade",
+        ),
+    )
+
+
+def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: Any) -> None:
+    """One rank: gloo group + two UDP engines + a ZeroMQ plane, then the timed loop."""
+    import torch
+    import torch.distributed as dist
+
+    from transport.engine import Engine
+    from transport.rendezvous import StaticPeers
+    from transport.zmq_plane import ZmqDataPlane, zmq_config
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=_td(args["timeout"]))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    closers: list[Any] = []
+    try:
+        engines: dict[str, Any] = {}
+        for name, bound in (("udp_reliable", 0.0), ("udp_bounded", 0.02)):
+            e = Engine(rank, world, _udp_config(bound))
+            closers.append(e)
+            store.set(f"gl/{name}/{rank}", json.dumps(e.start()))
+            engines[name] = e
+        zmq_eps = [
+            f"tcp://127.0.0.{1 + p}:{_free_port(f'127.0.0.{1 + p}')}" for p in range(N_PATHS)
+        ]
+        store.set(f"gl/zmq/{rank}", json.dumps(zmq_eps))
+        for name, e in engines.items():
+            table = {
+                r: [tuple(a) for a in json.loads(store.get(f"gl/{name}/{r}"))] for r in range(world)
+            }
+            e.set_peers(StaticPeers(table))
+        if args["zmq"]:
+            eps = [json.loads(store.get(f"gl/zmq/{r}")) for r in range(world)]
+            plane = ZmqDataPlane(rank, world, zmq_config(n_paths=N_PATHS), eps)
+            closers.append(plane)
+            engines["zmq"] = plane.start()
+        out = _timed_loop(rank, world, engines, args, dist, torch)
+        if rank == 0:
+            results.put(("ok", out))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+        raise
+    finally:
+        for c in reversed(closers):
+            c.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _td(seconds: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def _timed_loop(
+    rank: int, world: int, engines: dict[str, Any], args: dict[str, Any], dist: Any, torch: Any
+) -> dict[str, Any]:
+    """Interleave the transports per repetition; times are the max over ranks."""
+    transports = ["gloo", *engines]
+    times: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
+    checks: dict[str, dict[int, Any]] = {t: {} for t in transports if t != "gloo"}
+    # One untimed round first: numba loads its cached kernels and the engines their first
+    # buffers on the first call, which would otherwise be the first repetition's outlier.
+    warm = np.ones(MB // 4, dtype=np.float32)
+    for e in engines.values():
+        dist.barrier()
+        e.submit(1, 1, warm).result(args["timeout"])
+    dist.all_reduce(torch.from_numpy(warm.copy()))
+    step = 1
+    for mb in args["sizes"]:
+        n = int(mb * MB) // 4
+        data = np.random.default_rng([args["seed"], rank, n]).standard_normal(n).astype(np.float32)
+        for t in transports:
+            times[t][mb] = []
+        for rep in range(args["reps"]):
+            step += 1
+            mine = []
+            gloo_result = None
+            for t in transports:
+                if t == "gloo":
+                    buf = torch.from_numpy(data.copy())
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    dist.all_reduce(buf)
+                    mine.append(time.perf_counter() - t0)
+                    gloo_result = buf.numpy()
+                    continue
+                dist.barrier()
+                t0 = time.perf_counter()
+                res, report = engines[t].submit(step, 0, data).result(args["timeout"])
+                mine.append(time.perf_counter() - t0)
+                if rep == 0:
+                    checks[t][mb] = _check(t, rank, mb, res, report, gloo_result)
+            # The step time of a collective is its slowest rank's.
+            tt = torch.tensor(mine, dtype=torch.float64)
+            dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+            for t, v in zip(transports, tt.tolist(), strict=True):
+                times[t][mb].append(v)
+        # Gather every rank's correctness check for this size (rank 0 reports all).
+        flags = torch.tensor(
+            [0.0 if checks[t][mb]["ok"] else 1.0 for t in checks], dtype=torch.float64
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        # This rank's delivered fraction covers only what it received; a peer's reduce loss
+        # reaches it through the gather, so report the worst rank too.
+        worst = torch.tensor(
+            [checks[t][mb]["delivered_fraction"] for t in checks], dtype=torch.float64
+        )
+        dist.all_reduce(worst, op=dist.ReduceOp.MIN)
+        for t, bad, low in zip(checks, flags.tolist(), worst.tolist(), strict=True):
+            checks[t][mb]["ok_all_ranks"] = bad == 0.0
+            checks[t][mb]["delivered_fraction_min_rank"] = low
+        del data
+    return {"times": times, "checks": checks}
+
+
+def _check(
+    t: str, rank: int, mb: float, res: np.ndarray, report: Any, ref: np.ndarray
+) -> dict[str, Any]:
+    """Compare one gradlane result with gloo's; reliable transports must agree."""
+    err = np.abs(res.astype(np.float64) - ref)
+    scale = float(np.sqrt(np.mean(ref.astype(np.float64) ** 2))) or 1.0
+    out = {
+        "ok": bool(np.allclose(res, ref, rtol=RTOL, atol=RTOL)) and res.shape == ref.shape,
+        "max_abs_err": float(err.max()) if err.size else 0.0,
+        "rms_err_rel": float(np.sqrt(np.mean(err**2)) / scale) if err.size else 0.0,
+        "delivered_fraction": float(report.delivered_fraction),
+        "degraded": bool(report.degraded),
+    }
+    if t == "udp_bounded":
+        out["ok"] = True  # bounded loss may differ by design; reported, not enforced
+    elif not out["ok"]:
+        raise AssertionError(
+            f"rank {rank}: {t} all-reduce of {mb} MB differs from gloo's: max abs error "
+            f"{out['max_abs_err']:.3g}, relative rms {out['rms_err_rel']:.3g}"
+        )
+    return out
+
+
+# -- parent ----------------------------------------------------------------------------------------
+def run_world(world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Spawn ``world`` rank processes, wait (bounded) for rank 0's results, clean up every one."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, args, results), name=f"gl-bench-{r}")
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + args["timeout"]
+    try:
+        for p in procs:
+            p.start()
+        msg = _wait_for_result(results, procs, deadline, world, args["timeout"])
+        if msg[0] != "ok":
+            raise RuntimeError(f"rank {msg[1]} failed:\n{msg[2]}")
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        return msg[1]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(10.0)
+            if p.is_alive():
+                p.kill()
+                p.join(10.0)
+        results.close()
+
+
+def _wait_for_result(results: Any, procs: list[Any], deadline: float, world: int, limit: float):
+    """Rank 0's message; raises as soon as a rank dies or the deadline passes."""
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            pass
+        dead = [(p.name, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"rank process(es) died: {dead}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{world} ranks: no result within {limit}s")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Rows per (transport, ranks, MB) with median/p99 and the ratio to gloo; the summary maps."""
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, dict[str, float]] = {k: {} for k in SUMMARY_KEYS.values()}
+    for world, out in per_world.items():
+        times = out["times"]
+        for t, by_mb in times.items():
+            for mb_key, xs in by_mb.items():
+                mb = float(mb_key)
+                gloo = float(np.median(times["gloo"][mb_key]))
+                med = float(np.median(xs))
+                row = {
+                    "transport": t,
+                    "ranks": world,
+                    "MB": mb,
+                    "median_s": med,
+                    "p99_s": _pct(xs, 99),
+                    "reps": len(xs),
+                    "ratio_to_gloo": med / gloo if gloo > 0 else math.nan,
+                    "gbps": mb * MB * 8 / med / 1e9 if med > 0 else math.nan,
+                }
+                if t != "gloo":
+                    row["check"] = out["checks"][t][mb_key]
+                    summary[SUMMARY_KEYS[t]][f"{world}x{mb:g}"] = row["ratio_to_gloo"]
+                rows.append(row)
+    return {"rows": rows, "summary": summary}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a fixed-width text table."""
+    head = (
+        f"{'transport':<14}{'ranks':>6}{'MB':>7}{'median ms':>12}{'p99 ms':>10}{'x gloo':>9}"
+        f"{'Gb/s':>8}  check"
+    )
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["ranks"], r["MB"], TRANSPORTS.index(r["transport"]))):
+        c = r.get("check")
+        check = (
+            ""
+            if c is None
+            else (
+                f"{'ok' if c['ok_all_ranks'] else 'MISMATCH'}"
+                f" delivered(min rank)={c['delivered_fraction_min_rank']:.4f}"
+                f" rms_rel={c['rms_err_rel']:.1e}"
+            )
+        )
+        lines.append(
+            f"{r['transport']:<14}{r['ranks']:>6}{r['MB']:>7g}{r['median_s'] * 1e3:>12.1f}"
+            f"{r['p99_s'] * 1e3:>10.1f}{r['ratio_to_gloo']:>9.2f}{r['gbps']:>8.2f}  {check}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.allreduce", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--ranks", default="2,4", help="comma-separated rank counts (default 2,4)")
+    ap.add_argument("--sizes", default="1,25,100", help="comma-separated bucket sizes in MB")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per size (default 5)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="2 ranks, 1 and 25 MB, 3 reps")
+    ap.add_argument("--no-zmq", action="store_true", help="skip the ZeroMQ data plane")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per rank count")
+    ap.add_argument("--seed", type=int, default=0)
+    ns = ap.parse_args(argv)
+    if ns.quick:
+        ns.ranks, ns.sizes, ns.reps = "2", "1,25", 3
+    ranks = [int(x) for x in ns.ranks.split(",")]
+    sizes = [float(x) for x in ns.sizes.split(",")]
+    if ns.reps < 1 or any(r < 2 for r in ranks) or any(s <= 0 for s in sizes):
+        ap.error("need --reps >= 1, rank counts >= 2 and positive sizes")
+    args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,
+            "zmq": not ns.no_zmq}  # fmt: skip
+    per_world: dict[int, dict[str, Any]] = {}
+    for world in ranks:
+        t0 = time.monotonic()
+        per_world[world] = run_world(world, args)
+        print(f"# {world} ranks done in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    report = summarize(per_world)
+    failed = [r for r in report["rows"] if "check" in r and not r["check"]["ok_all_ranks"]]
+    print(table(report["rows"]))
+    if ns.json:
+        doc = {
+            "config": {
+                **args,
+                "ranks": ranks,
+                "n_paths": N_PATHS,
+                "chunk_bytes": 65000,
+                "cpus": os.cpu_count(),
+                "host_load": os.getloadavg(),
+            },
+            **report,
+        }
+        with open(ns.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    if failed:
+        print(f"CORRECTNESS FAILURE: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
