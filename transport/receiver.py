@@ -75,7 +75,6 @@ class InTransfer:
         contrib: np.ndarray,
         received: np.ndarray,
         started: float,
-        tos: int,
     ) -> None:
         self.key = key
         self.spec = spec
@@ -108,7 +107,6 @@ class InTransfer:
         self.duplicates = 0
         self.rejected = 0
         self.done = False
-        self.tos = tos
 
     @property
     def gather(self) -> bool:
@@ -173,7 +171,7 @@ class ReceiverCore:
         session: SessionSpec,
     ) -> InTransfer:
         """Start receiving ``key`` into ``target``; replays any packets that came early."""
-        t = InTransfer(key, spec, senders, target, contrib, received, now, self.tos)
+        t = InTransfer(key, spec, senders, target, contrib, received, now)
         self.transfers[key] = t
         self._refresh_check(t)
         held = self.early.pop(key, None)

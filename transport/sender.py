@@ -168,10 +168,6 @@ class OutTransfer:
         """True while some chunk is neither acknowledged nor abandoned."""
         return bool(np.any(self.state < ACKED))
 
-    def missing_mask(self) -> np.ndarray:
-        """Chunks the receiver has not acknowledged."""
-        return self.state != ACKED
-
 
 class SenderCore:
     """All outgoing transfers of one rank; produces DATA and the sender's control packets.
@@ -674,7 +670,9 @@ class SenderCore:
         if len(usable) == 1:
             return usable[0]
         return int(
-            self.paths[peer].assign(now=0.0, sizes=np.array([64]), protected=np.array([True]))[0]
+            self.paths[peer].assign(
+                now=self._now, sizes=np.array([64]), protected=np.array([True])
+            )[0]
         )
 
     def _retire(self, t: OutTransfer) -> None:
