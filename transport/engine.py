@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from transport.allreduce import TransposeAllReduce
+from transport.allreduce import TransposeAllReduce, warm_up
 from transport.config import TransportConfig
 from transport.errors import ConfigError, TransferFailed
 from transport.pending import CollectiveResult, PendingCollectives
@@ -111,6 +111,7 @@ class Engine:
             raise RuntimeError("engine already started")
         if self._closed:
             raise RuntimeError("engine is closed")
+        warm_up()  # compile the kernels now, not inside the first collective's deadlines
         loop = self._loop = new_event_loop()
         self._thread = threading.Thread(
             target=self._run, args=(loop,), name=f"gradlane-engine-r{self.me}", daemon=True

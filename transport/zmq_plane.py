@@ -52,7 +52,7 @@ import zmq
 
 from scheduling.loss import LossConfig
 from scheduling.pacing import PacingConfig
-from transport.allreduce import TransposeAllReduce
+from transport.allreduce import TransposeAllReduce, warm_up
 from transport.config import TransportConfig
 from transport.errors import ConfigError, TransferFailed
 from transport.events import Datagram
@@ -169,6 +169,7 @@ class ZmqDataPlane:
             raise TransferFailed(f"rank {self.me}: the ZeroMQ data plane is closed")
         if self._thread is not None:
             return self
+        warm_up()  # compile the kernels now, not inside the first collective's deadlines
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
         self._ctx = ctx
         made: list[zmq.Socket[bytes]] = []
