@@ -332,6 +332,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; print a table; write JSON."""
+    commit = _commit()  # now: the code is loaded at start, HEAD may move while this runs
     steps = 8 if args.quick else args.steps
     net = NetSpec(
         ranks=args.ranks,
@@ -387,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
             "results": rows,
             "scale": scale,
             "command": " ".join(sys.argv),
-            "commit": _commit(),
+            "commit": commit,
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2, default=float)
