@@ -19,6 +19,7 @@ sum, and a lost chunk becomes small noise spread over its block.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,7 +129,7 @@ class TransposeAllReduce:
         self.world = world
         self.config = self.endpoint.config
         self._running: dict[tuple[int, int], _Collective] = {}
-        self._events: list[Event] = []
+        self._events: deque[Event] = deque()
 
     # -- collective API ------------------------------------------------------------------------
     def start(
@@ -152,6 +153,7 @@ class TransposeAllReduce:
             raise ValueError(f"step {step} bucket {bucket} is already being all-reduced")
         ep = self.endpoint
         ep.note_step(step)
+        ep.note_time(now)
         n = wire_in.shape[0]
         world, me = self.world, self.me
         result = wire_in.copy()
@@ -261,8 +263,8 @@ class TransposeAllReduce:
 
     def next_event(self) -> Event | None:
         """Pop the next collective event."""
-        self._pump(self.endpoint._now)
-        return self._events.pop(0) if self._events else None
+        self._pump(self.endpoint.now)
+        return self._events.popleft() if self._events else None
 
     # -- internals --------------------------------------------------------------------------------
     def _seed(self, step: int, bucket: int) -> int:
@@ -270,10 +272,7 @@ class TransposeAllReduce:
 
     def _pump(self, now: float) -> None:
         """Advance collectives on the endpoint's events."""
-        while True:
-            ev = self.endpoint._events.popleft() if self.endpoint._events else None
-            if ev is None:
-                return
+        while (ev := self.endpoint.next_event()) is not None:
             if isinstance(ev, TransferComplete):
                 self._on_transfer(ev.report, now)
             elif isinstance(ev, PeerTimedOut):

@@ -151,6 +151,15 @@ class Endpoint:
         return self._events.popleft() if self._events else None
 
     # -- helpers for collectives -------------------------------------------------------------
+    @property
+    def now(self) -> float:
+        """The latest time a driver (or a collective's start) passed in."""
+        return self._now
+
+    def note_time(self, now: float) -> None:
+        """A collective started at ``now``: later processing must not use an older time."""
+        self._now = max(self._now, now)
+
     def note_step(self, step: int) -> None:
         """Move the accepted step window forward when a newer step starts locally."""
         if step > self._newest_step:

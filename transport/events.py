@@ -69,7 +69,8 @@ class LossReport:
 
 @dataclass(frozen=True)
 class SenderReport:
-    """What this rank's sender did for the transfers of one (step, bucket), per priority class."""
+    """What this rank's sender did for the transfers of one (step, bucket): chunks per priority
+    class (sent, dropped on purpose, retransmitted) and bytes, in all and per path."""
 
     sent: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()

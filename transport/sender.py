@@ -69,6 +69,7 @@ class _ClassStats:
     sent: np.ndarray
     dropped: np.ndarray
     retransmitted: np.ndarray
+    path_bytes: np.ndarray
     bytes_sent: int = 0
 
 
@@ -204,7 +205,6 @@ class SenderCore:
         n_classes = config.priority.n_classes
         self._tos = [config.priority.tos(c) for c in range(n_classes)]
         self.stats: dict[tuple[int, int], _ClassStats] = {}
-        self._path_bytes = np.zeros(config.n_paths, dtype=np.int64)
         self._control: list[Datagram] = []
         self._probe_seq = 0
         self._probe_sent: dict[tuple[int, int], tuple[int, float]] = {}
@@ -265,7 +265,7 @@ class SenderCore:
             dropped=tuple(int(x) for x in s.dropped),
             retransmitted=tuple(int(x) for x in s.retransmitted),
             bytes_sent=s.bytes_sent,
-            per_path_bytes=tuple(int(x) for x in self._path_bytes),
+            per_path_bytes=tuple(int(x) for x in s.path_bytes),
         )
 
     def forget_stats(self, step: int, bucket: int) -> None:
@@ -480,7 +480,8 @@ class SenderCore:
         if s is None:
             n = self.config.priority.n_classes
             z = np.zeros(n, dtype=np.int64)
-            s = self.stats[(step, bucket)] = _ClassStats(z.copy(), z.copy(), z.copy())
+            paths = np.zeros(self.config.n_paths, dtype=np.int64)
+            s = self.stats[(step, bucket)] = _ClassStats(z.copy(), z.copy(), z.copy(), paths)
         return s
 
     def _usable(self, peer: int) -> range | tuple[int]:
@@ -612,7 +613,7 @@ class SenderCore:
         if n_retx:
             st.retransmitted += np.bincount(t.prio[chunks[:n_retx]], minlength=n_cls)[:n_cls]
         st.bytes_sent += int(sizes.sum())
-        np.add.at(self._path_bytes, paths, sizes)
+        np.add.at(st.path_bytes, paths, sizes)
         tos = self._tos[cls]
         arena, lengths = t.arena, t.lengths
         for c, q in zip(chunks.tolist(), paths.tolist(), strict=True):

@@ -378,3 +378,19 @@ def test_reject_counters_by_reason():
     c = ep.stats()["rejected"]
     assert c == {"truncated": 1, "bad_magic": 1}
     assert Reason.TRUNCATED.name.lower() in c
+
+
+def test_sender_report_counts_this_collective_only():
+    """Per-path bytes belong to the (step, bucket) reported, not to the rank's lifetime."""
+    world = 2
+    eps = make(world, n_paths=2)
+    wire = Wire(eps)
+    reports = {}
+    for step in (1, 2):
+        datas = [np.ones(3000, np.float32)] * world
+        out = run_allreduce(eps, datas, wire, step=step)
+        reports[step] = out[0].report.sender
+    for rep in reports.values():
+        assert sum(rep.per_path_bytes) == rep.bytes_sent > 0
+        assert all(b > 0 for b in rep.per_path_bytes)
+    assert reports[2].bytes_sent < 2 * reports[1].bytes_sent  # not cumulative
