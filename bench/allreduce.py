@@ -54,11 +54,10 @@ def _free_port(host: str = "127.0.0.1", kind: int = socket.SOCK_STREAM) -> int:
 # -- rank process ----------------------------------------------------------------------------------
 def _udp_config(loss_bound: float) -> Any:
     from scheduling.loss import LossConfig
-    from transport.config import TransportConfig
+    from transport.config import loopback_config
 
-    return TransportConfig(
+    return loopback_config(
         n_paths=N_PATHS,
-        chunk_bytes=65000,
         loss=LossConfig(
             loss_bound=loss_bound,
             hard_deadline_s=HARD_DEADLINE_S,

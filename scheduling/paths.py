@@ -43,6 +43,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from scheduling._path_kernels import ack_update
 from scheduling.errors import ConfigError
 
 __all__ = ["PathConfig", "PathSet", "PathState"]
@@ -52,6 +53,7 @@ __all__ = ["PathConfig", "PathSet", "PathState"]
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 _MIN_RATE = 1.0  # bytes/s; keeps divisions finite for a path that has delivered nothing
 _RTO_FLOOR_S = 0.001
+_NO_RTT = np.empty(0)
 
 
 class PathState(IntEnum):
@@ -332,23 +334,43 @@ class PathSet:
     def on_acked(
         self, path: np.ndarray, sizes: np.ndarray, now: float, rtt: np.ndarray | None = None
     ) -> None:
-        """Account delivered packets; ``rtt`` (seconds per packet) feeds the RTT estimate."""
-        path_a = np.asarray(path, dtype=np.int64)
-        acked = self._per_path(path_a, sizes)
-        got = acked > 0
-        counts = np.bincount(path_a, minlength=self.n_paths)
-        self._outstanding = np.maximum(self._outstanding - acked, 0.0)
-        self._acked_total += acked
-        self._last_delivery = np.where(got, now, self._last_delivery)
-        self._last_progress = np.where(got, now, self._last_progress)
-        # Each acked packet is a "no loss" sample of the loss EWMA.
-        self._loss *= (1.0 - self.config.loss_alpha) ** counts
-        if rtt is not None:
-            self._rtt_samples(path_a, np.asarray(rtt, dtype=np.float64))
-        self._rate_samples(acked, got, now)
-        # Evidence of delivery lifts a SUSPECT/DOWN path unless its loss is still high.
-        healthy = got & (self._loss <= self.config.loss_suspect)
-        self._set_state(healthy & (self._state != PathState.UP), PathState.UP, now)
+        """Account delivered packets; ``rtt`` (seconds per packet) feeds the RTT estimate.
+
+        Updates outstanding bytes, delivery and progress times, the loss EWMA (each acked packet
+        is a "no loss" sample), the RTT estimate (RFC 6298, one sample per path per batch: the
+        batch's mean), the delivery-rate window, and lifts a SUSPECT/DOWN path that delivers
+        unless its loss is still high. One compiled pass (``scheduling._path_kernels``).
+        """
+        cfg = self.config
+        path_a = np.asarray(path, dtype=np.int64).reshape(-1)
+        sizes_a = np.asarray(sizes, dtype=np.float64).reshape(-1)
+        rtt_a = _NO_RTT if rtt is None else np.asarray(rtt, dtype=np.float64).reshape(-1)
+        ack_update(
+            path_a,
+            sizes_a,
+            rtt_a,
+            rtt is not None,
+            float(now),
+            self._outstanding,
+            self._acked_total,
+            self._last_delivery,
+            self._last_progress,
+            self._loss,
+            self._min_rtt,
+            self._srtt,
+            self._rttvar,
+            self._win_t0,
+            self._win_bytes,
+            self._rate,
+            self._state,
+            self._next_probe,
+            cfg.loss_alpha,
+            cfg.rtt_alpha,
+            cfg.rate_alpha,
+            cfg.rate_window_s,
+            cfg.loss_suspect,
+            _MIN_RATE,
+        )
 
     def on_lost(self, path: np.ndarray, sizes: np.ndarray, now: float) -> None:
         """Account packets declared lost (by the transport's loss detection or a NACK)."""
@@ -389,7 +411,8 @@ class PathSet:
         self._last_delivery[path] = now
         self._last_progress[path] = now
         if rtt is not None:
-            self._rtt_samples(np.array([path]), np.array([rtt], dtype=np.float64))
+            # A zero-byte "ack" carrying only the RTT sample: the same estimator as data acks.
+            self.on_acked(np.array([path]), np.zeros(1), now, np.array([rtt], dtype=np.float64))
         mask = np.zeros(self.n_paths, dtype=bool)
         mask[path] = self._state[path] != PathState.UP
         self._set_state(mask, PathState.UP, now)
@@ -432,50 +455,6 @@ class PathSet:
         else:
             # Probe at once on entering SUSPECT/DOWN, unless a probe is already scheduled.
             self._next_probe[mask] = np.minimum(self._next_probe[mask], now)
-
-    def _rtt_samples(self, path: np.ndarray, rtt: np.ndarray) -> None:
-        """RFC 6298 update with one sample per path per batch: the batch's mean RTT there."""
-        if rtt.shape != path.shape:
-            raise ValueError(f"rtt {rtt.shape} must align with path {path.shape}")
-        ok = np.isfinite(rtt) & (rtt >= 0.0)
-        path, rtt = path[ok], rtt[ok]
-        if path.size == 0:
-            return
-        counts = np.bincount(path, minlength=self.n_paths)
-        has = counts > 0
-        mean = np.bincount(path, weights=rtt, minlength=self.n_paths)[has] / counts[has]
-        np.minimum.at(self._min_rtt, path, rtt)
-        a = self.config.rtt_alpha
-        srtt, var = self._srtt[has], self._rttvar[has]
-        first = np.isnan(srtt)
-        new_var = np.where(first, mean / 2.0, (1.0 - 2.0 * a) * var + 2.0 * a * np.abs(srtt - mean))
-        new_srtt = np.where(first, mean, (1.0 - a) * srtt + a * mean)
-        self._srtt[has], self._rttvar[has] = new_srtt, new_var
-
-    def _rate_samples(self, acked: np.ndarray, got: np.ndarray, now: float) -> None:
-        """Delivery-rate windows: open at an ack, sample when long enough or when drained."""
-        cfg = self.config
-        open_ = ~np.isnan(self._win_t0)
-        # Bytes acked at the instant a window opens were delivered before it: not counted.
-        self._win_bytes += np.where(open_, acked, 0.0)
-        elapsed = np.where(open_, now - np.nan_to_num(self._win_t0), 0.0)
-        window = np.maximum(cfg.rate_window_s, np.nan_to_num(self._srtt, nan=0.0))
-        drained = self._outstanding <= 0.0
-        # A drained path closes its window at once: the idle gap that follows must not count.
-        close = open_ & got & ((elapsed >= window) | drained)
-        sample_ok = close & (elapsed > 0.0)
-        if sample_ok.any():
-            sample = np.divide(
-                self._win_bytes, elapsed, out=np.zeros(self.n_paths), where=sample_ok
-            )
-            smoothed = (1.0 - cfg.rate_alpha) * self._rate + cfg.rate_alpha * sample
-            # An application-limited window (the path ran dry) can only raise the estimate.
-            smoothed = np.where(drained, np.maximum(self._rate, smoothed), smoothed)
-            self._rate = np.where(sample_ok, np.maximum(smoothed, _MIN_RATE), self._rate)
-        # (Re)open a window at this ack wherever data is still in flight.
-        restart = got & ~drained & (close | ~open_)
-        self._win_t0 = np.where(restart, now, np.where(close, np.nan, self._win_t0))
-        self._win_bytes = np.where(close | restart, 0.0, self._win_bytes)
 
     def _best(self, candidates: np.ndarray) -> int:
         """Best path among ``candidates``: most recent delivery, then highest rate."""

@@ -99,9 +99,9 @@ class _Collective:
     started: float
     original: np.ndarray  # the caller's dtype view of the result
     result: np.ndarray  # wire words
-    own: np.ndarray  # this rank's own contribution, float32 (rotated when rotating)
+    src: np.ndarray  # this rank's contribution in wire words: the caller's array, or its rotation
     bounds: np.ndarray
-    accum: np.ndarray
+    accum: np.ndarray  # float32 sums of this rank's shard (a view of ``result`` for float32)
     contrib: np.ndarray
     rotated: bool
     reduce_report: LossReport | None = None
@@ -146,7 +146,9 @@ class TransposeAllReduce:
         """Begin all-reducing ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
 
         ``layer_position`` is 0 for the front layer (needed first next step), 1 for the last.
-        ``data`` is not modified; the result comes with the completion event.
+        ``data`` is never written, but it is read until the collective ends (peers' shards are
+        packed straight from it as they are sent): do not modify it before the completion event.
+        The result (a new array) comes with that event.
         """
         wire_in, wdt = wire_view(data, dtype)
         if (step, bucket) in self._running:
@@ -156,17 +158,23 @@ class TransposeAllReduce:
         ep.note_time(now)
         n = wire_in.shape[0]
         world, me = self.world, self.me
-        result = wire_in.copy()
         rotated = self.config.rotate and wdt == DType.F32 and n > 0
         if rotated:
+            src = wire_in.copy()
             kernels.hadamard_forward(
-                result, seed=self._seed(step, bucket), block=self.config.rotate_block
+                src, seed=self._seed(step, bucket), block=self.config.rotate_block
             )
+        else:
+            # The caller's words are only read (peers' shards are packed straight from them), so
+            # nothing is copied but this rank's own shard: one memory pass fewer per collective.
+            src = wire_in
         bounds = shard_bounds(n, world)
         lo, hi = int(bounds[me]), int(bounds[me + 1])
         chunk_elems = self.config.chunk_elems(wdt)
-        own_f32 = to_f32(result, wdt)
-        accum = own_f32[lo:hi].copy()
+        result = np.empty_like(src)  # every other shard is written by the gather phase
+        result[lo:hi] = src[lo:hi]
+        # float32 sums in place in the result's own shard; 16-bit words need a float32 copy.
+        accum = result[lo:hi] if wdt == DType.F32 else to_f32(src[lo:hi], wdt)
         n_mine = -(-(hi - lo) // chunk_elems)
         contrib = np.ones(n_mine, dtype=np.uint16)
         original = result.view(data.dtype) if data.dtype != result.dtype else result
@@ -179,7 +187,7 @@ class TransposeAllReduce:
             now,
             original,
             result,
-            own_f32,
+            src,
             bounds,
             accum,
             contrib,
@@ -229,7 +237,7 @@ class TransposeAllReduce:
                 jl, jh = int(bounds[j]), int(bounds[j + 1])
                 ep.sender.start(
                     OutKey(step, bucket, j, Phase.REDUCE, j),
-                    result[jl:jh],
+                    src[jl:jh],
                     wdt,
                     layer_position,
                     now,
@@ -246,6 +254,14 @@ class TransposeAllReduce:
     def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
         """Feed one datagram (see :class:`Endpoint`)."""
         self.endpoint.receive_datagram(data, path, now)
+
+    def rx_buffer(self) -> memoryview:
+        """Buffer for a zero-copy receive (see :meth:`Endpoint.rx_buffer`)."""
+        return self.endpoint.rx_buffer()
+
+    def commit_datagram(self, nbytes: int, path: int, now: float) -> None:
+        """Commit a datagram received into :meth:`rx_buffer` (see :class:`Endpoint`)."""
+        self.endpoint.commit_datagram(nbytes, path, now)
 
     def datagrams_to_send(self, now: float) -> list[Datagram]:
         """Datagrams to send now (see :class:`Endpoint`)."""
@@ -295,9 +311,13 @@ class TransposeAllReduce:
         lo, hi = int(c.bounds[me]), int(c.bounds[me + 1])
         chunk_elems = self.config.chunk_elems(c.dtype)
         counts = chunk_counts(hi - lo, chunk_elems)
-        # Unbiased fill: every chunk is the mean of the contributions that arrived × world.
-        scale = np.repeat(world / np.maximum(c.contrib, 1).astype(np.float32), counts)
-        from_f32(c.accum * scale, c.dtype, c.result[lo:hi])
+        # Unbiased fill: every chunk is the mean of the contributions that arrived × world
+        # (nothing to do when every rank contributed to every chunk, the reliable case).
+        if not np.all(c.contrib == world):
+            scale = np.repeat(world / np.maximum(c.contrib, 1).astype(np.float32), counts)
+            np.multiply(c.accum, scale, out=c.accum)
+        if c.dtype != DType.F32:
+            from_f32(c.accum, c.dtype, c.result[lo:hi])
         for j in range(world):
             if j != me:
                 self.endpoint.sender.start(
@@ -317,7 +337,7 @@ class TransposeAllReduce:
             for ch in missing.tolist():  # rare: only chunks lost for good
                 a = jl + ch * chunk_elems
                 b = min(a + chunk_elems, int(c.bounds[j + 1]))
-                from_f32(c.own[a:b] * world, c.dtype, c.result[a:b])
+                from_f32(to_f32(c.src[a:b], c.dtype) * world, c.dtype, c.result[a:b])
         if c.rotated:
             kernels.hadamard_inverse(
                 c.result, seed=self._seed(c.step, c.bucket), block=self.config.rotate_block

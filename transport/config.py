@@ -21,7 +21,7 @@ from transport.errors import ConfigError
 from transport.packet import HEADER_SIZE, ITEMSIZE, MAX_UDP_PAYLOAD
 from transport.tag import TagKey
 
-__all__ = ["TransportConfig"]
+__all__ = ["TransportConfig", "loopback_config"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,11 @@ class TransportConfig:
     tx_quantum_packets: int = 4
     """Send when this many packets' worth of pacing tokens have accrued (like a GSO burst):
     fewer, larger batches for the same rate."""
+    window_bytes: int = 0
+    """Most bytes in flight (sent, neither acknowledged nor lost) toward one peer; 0 = no limit.
+    A receiver's socket buffer is shared by all its senders, so ``window_bytes × (world - 1)``
+    should fit in it (SO_RCVBUF, 16 MiB requested): past that, a fast sender only overflows the
+    buffer and pays for retransmissions. The pacers bound the rate; this bounds the backlog."""
     rx_coalesce_s: float = 0.0
     """Hold received datagrams up to this long to process them as one batch (like NIC
     interrupt moderation); 0 processes at the next driver call."""
@@ -99,6 +104,8 @@ class TransportConfig:
             raise ConfigError("nic_rate_Bps must be >= 0 (0 = uncapped) and tick_s > 0")
         if self.tx_quantum_packets < 1 or self.rx_coalesce_s < 0:
             raise ConfigError("tx_quantum_packets must be >= 1 and rx_coalesce_s >= 0")
+        if self.window_bytes < 0:
+            raise ConfigError(f"window_bytes={self.window_bytes}: >= 0 (0 = no limit)")
         if self.burst_packets < 1:
             raise ConfigError(f"burst_packets={self.burst_packets}: at least 1")
         if self.rotate_block < 1 or self.rotate_block & (self.rotate_block - 1):
@@ -193,3 +200,20 @@ def _parse_scalar(raw: str) -> Any:
         except ValueError:
             pass
     return raw
+
+
+def loopback_config(**overrides: Any) -> TransportConfig:
+    """A config for ranks on one host (loopback): two paths (127.0.0.1 and 127.0.0.2), the
+    largest datagrams the loopback MTU allows (65000-byte chunks: fewest packets per byte, the
+    one lever that matters when each datagram costs a system call), and pacing that starts at
+    memory speed (10 GB/s per path, 4 MiB bursts) instead of a NIC's rate, since there is no
+    link to overrun; the delay-based response still backs off if the receiver falls behind.
+    ``overrides`` replace any field (e.g. ``loss=LossConfig(...)``).
+    """
+    values: dict[str, Any] = {
+        "n_paths": 2,
+        "chunk_bytes": 65000,
+        "pacing": PacingConfig(initial_rate_Bps=1e10, burst_bytes=4 << 20),
+    }
+    values.update(overrides)
+    return TransportConfig(**values)

@@ -85,6 +85,8 @@ class Endpoint:
         self._rx = np.zeros((RX_BATCH, cfg.slot_bytes), dtype=np.uint8)
         self._rx_len = np.zeros(RX_BATCH, dtype=np.int32)
         self._rx_path = np.zeros(RX_BATCH, dtype=np.int64)
+        # One writable view per arena row, for drivers that receive straight into the arena.
+        self._rx_rows = [row.data for row in self._rx]
         self._rx_n = 0
         self._rx_first = 0.0
         self._now = 0.0
@@ -103,14 +105,29 @@ class Endpoint:
     # -- driver API ---------------------------------------------------------------------------
     def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
         """Queue one datagram; batches are processed before any output or event is produced."""
-        self._now = now
         n = len(data)
-        if n > self._rx.shape[1]:
+        if n <= self._rx.shape[1]:
+            self._rx[self._rx_n, :n] = np.frombuffer(data, dtype=np.uint8)
+        self.commit_datagram(n, path, now)
+
+    def rx_buffer(self) -> memoryview:
+        """Where the next datagram goes, for a zero-copy receive (``sock.recv_into``).
+
+        Write at most ``len(buffer)`` bytes into it, then call :meth:`commit_datagram`; the view
+        is only valid until then. Saves a copy and an allocation per datagram over
+        :meth:`receive_datagram`.
+        """
+        return self._rx_rows[self._rx_n]
+
+    def commit_datagram(self, nbytes: int, path: int, now: float) -> None:
+        """The datagram just written into :meth:`rx_buffer` is ``nbytes`` long (its real length:
+        a longer one than the buffer was truncated and is counted as oversized)."""
+        self._now = now
+        if nbytes > self._rx.shape[1]:
             self.counters[Reason.OVERSIZED] += 1
             return
         i = self._rx_n
-        self._rx[i, :n] = np.frombuffer(data, dtype=np.uint8)
-        self._rx_len[i] = n
+        self._rx_len[i] = nbytes
         self._rx_path[i] = path
         self._rx_n = i + 1
         if i == 0:

@@ -87,7 +87,9 @@ class Engine:
             )
         self._rendezvous = rendezvous
         self._core = TransposeAllReduce(me, world, cfg)
-        self._udp = UdpPaths(self._on_datagram, self._on_readable, bufsize=bufsize)
+        self._udp = UdpPaths(
+            self._core.rx_buffer, self._on_datagram, self._on_readable, bufsize=bufsize
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._pending = PendingCollectives()
@@ -284,8 +286,8 @@ class Engine:
         if self._pending.start(self._core, fut, step, bucket, data, layer_position, dtype, now):
             self._service()
 
-    def _on_datagram(self, data: bytes, path: int) -> None:
-        self._core.receive_datagram(data, path, time.monotonic())
+    def _on_datagram(self, nbytes: int, path: int) -> None:
+        self._core.commit_datagram(nbytes, path, time.monotonic())
 
     def _on_readable(self) -> None:
         # One service per wakeup: the datagrams read in this loop iteration are batched by the
@@ -329,6 +331,9 @@ class Engine:
 
     def _service_once(self) -> None:
         core = self._core
+        # Take in what has arrived first: acknowledgements free the window and are answered in
+        # this same pass, so a rank sending at full speed still reads (and ACKs) promptly.
+        self._udp.poll()
         now = time.monotonic()
         self._udp.send(core.datagrams_to_send(now))
         self._pending.deliver(core)

@@ -216,6 +216,7 @@ class SenderCore:
         self._rttvar = np.nan
         self._tick_at = np.inf
         self._pace_at = np.inf
+        self._window_wait = False
         self.nic: Pacer | None = None
         if config.nic_rate_Bps > 0:
             nic_cfg = replace(
@@ -254,6 +255,7 @@ class SenderCore:
         if not t.manifest_acked:
             self._queue_manifest(t, now)
         self._sendable.add(key)
+        self._window_wait = False
         self._tick_at = min(self._tick_at, now + self.config.tick_s)
         return t
 
@@ -379,6 +381,7 @@ class SenderCore:
         out = self._control
         self._control = []
         self._pace_at = np.inf
+        self._window_wait = False
         if not self._sendable:
             return out
         heap: list[tuple[int, float, int, OutKey]] = []
@@ -399,6 +402,9 @@ class SenderCore:
             return out
         allowance: dict[int, int] = {}
         blocked: set[int] = set()
+        window_full: set[int] = set()
+        window = self.config.window_bytes
+        flight: dict[int, int] = {}
         budget = self.config.burst_packets * self._n_paths
         while heap and budget > 0 and local_left > 0:
             cls, _, _, key = heapq.heappop(heap)
@@ -408,9 +414,19 @@ class SenderCore:
                 allowance[peer] = sum(
                     self.pacers[(peer, q)].allowance(now) for q in self._usable(peer)
                 )
+                if window:
+                    if not flight:  # chunks in flight per peer, from the transfers' own state
+                        for u in self.transfers.values():
+                            flight[u.key.dst] = flight.get(u.key.dst, 0) + u.n_inflight
+                        flight[-1] = 0
+                    room = window - flight.get(peer, 0) * self.config.chunk_bytes
+                    if room <= 0:  # an ACK, a loss or the tick will reopen it: no pacing wake
+                        window_full.add(peer)
+                    allowance[peer] = min(allowance[peer], room)
             avail = min(allowance[peer], local_left)
             if avail <= 0:
-                blocked.add(peer)
+                if peer not in window_full:
+                    blocked.add(peer)
                 continue
             sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out)
             budget -= sent
@@ -423,8 +439,12 @@ class SenderCore:
                 self._sendable.discard(key)
             elif consumed:
                 heapq.heappush(heap, (nxt, t.layer_position, t.seq, key))
-        if heap or blocked:
-            self._pace_at = self._wake_time(now, budget, blocked | {k.dst for *_, k in heap})
+        waiting = blocked | {k.dst for *_, k in heap if k.dst not in window_full}
+        if waiting:
+            self._pace_at = self._wake_time(now, budget, waiting)
+        # Only full windows stopped us: the next ACK (or loss) reopens them, and drivers call
+        # datagrams_to_send after every input, so no timer is needed for it.
+        self._window_wait = bool(window_full) and not waiting
         return out
 
     def _wake_time(self, now: float, budget: int, peers: set[int]) -> float:
@@ -442,7 +462,7 @@ class SenderCore:
     def get_timer(self) -> float | None:
         """The housekeeping tick while transfers run, or the pacing release if earlier."""
         best = self._tick_at if self.transfers else np.inf
-        if self._sendable:
+        if self._sendable and not self._window_wait:
             best = min(best, self._pace_at if self._pace_at < np.inf else self._now)
         return None if best == np.inf else float(best)
 

@@ -3,25 +3,29 @@
 Theory of operation
 -------------------
 Every local path address (e.g. 127.0.0.1 and 127.0.0.2 on loopback, or one address per NIC)
-gets one *main* socket: it is the address peers send to, every datagram arriving on it is
-handed to the driver with that path's index, and it sends datagrams of its own TOS.
+gets one *receive* socket: it is the address peers send to, and every datagram arriving on it is
+handed to the driver with that path's index.
 
 DSCP: the IP TOS byte is a socket option, and asyncio transports may queue a datagram and send
 it later, so setting ``IP_TOS`` before a ``sendto`` batch could mark a queued packet with the
-wrong class. Instead each path has one *send-only* socket per extra TOS value, bound to the
-same local address (port 0: a UDP receiver does not care about the source port), with
-``IP_TOS`` fixed at open. A datagram goes out on the socket of its (path, tos); a TOS nobody
-declared at open goes out on the path's main socket and is counted as ``tos_fallback``.
+wrong class. Instead each path has one *send* socket per TOS value, bound to the same local
+address (port 0: a UDP receiver does not care about the source port), with ``IP_TOS`` fixed at
+open, each wrapped in an asyncio datagram transport (which queues a datagram when the kernel's
+send buffer is full). A datagram goes out on the socket of its (path, tos); a TOS nobody
+declared at open goes out on the path's main-TOS socket and is counted as ``tos_fallback``.
 
-Receiving: uvloop (libuv) reads up to 32 datagrams per wakeup and calls ``datagram_received``
-for each; asyncio's selector reads one per socket per loop iteration. Either way the adapter
-only copies the datagram into the endpoint (``on_datagram``) and asks the driver to run *once*
-for the whole wakeup (``on_readable``, coalesced by the driver), so output is flushed per batch
-rather than per packet.
+Receiving skips asyncio's datagram protocol: a reader callback on each receive socket calls
+``recv_into`` straight into the driver's receive arena (``rx_buffer()``, then
+``on_datagram(nbytes, path)``) — no ``bytes`` object and no copy per datagram — up to
+``READ_BURST`` datagrams per wakeup, then ``on_readable()`` once, so the driver processes and
+answers the whole batch together. :meth:`UdpPaths.poll` does the same on demand: the engine
+drains its sockets before each send burst, so acknowledgements are processed (and sent) promptly
+while it is also sending at full speed.
 
 Socket buffers are set to ``bufsize`` (16 MiB by default); Linux caps them at
-``net.core.rmem_max`` / ``wmem_max`` and one log line says so, because a capped receive buffer
-is the first cause of loss at line rate.
+``net.core.rmem_max`` / ``wmem_max`` unless the process may use SO_RCVBUFFORCE (root or
+CAP_NET_ADMIN), which is tried next; when the buffer is still capped one log line says so,
+because a capped receive buffer is the first cause of loss at line rate.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import asyncio
 import errno
 import logging
 import socket
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +48,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUFSIZE = 16 << 20
 """Requested SO_RCVBUF / SO_SNDBUF (bytes)."""
+READ_BURST = 64
+"""Most datagrams read from one socket per wakeup (then the driver runs: ACKs go out)."""
+_MSG_TRUNC = getattr(socket, "MSG_TRUNC", 0)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -68,24 +76,21 @@ class UdpCounters:
     tx_bytes: int = 0
     tx_errors: int = 0
     """Sends the kernel refused (e.g. ICMP port unreachable reported back)."""
+    rx_errors: int = 0
+    """Receive calls that failed with an error other than "nothing to read"."""
     unroutable: int = 0
     """Datagrams for a rank or path with no known address (dropped)."""
     tos_fallback: int = 0
     """Datagrams whose TOS had no socket of its own (sent on the path's main socket)."""
 
 
-class _PathProtocol(asyncio.DatagramProtocol):
-    """Feeds a path's datagrams to the driver; send-only sockets ignore what they receive."""
+class _SendProtocol(asyncio.DatagramProtocol):
+    """The protocol of a send socket: counts errors; it receives nothing (no peer sends to it)."""
 
-    def __init__(self, paths: UdpPaths, path: int, receives: bool) -> None:
+    def __init__(self, paths: UdpPaths, path: int) -> None:
         self._paths = paths
         self._path = path
-        self._receives = receives
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        if self._receives:
-            self._paths._received(data, self._path)
 
     def error_received(self, exc: Exception) -> None:
         # Unconnected UDP sockets see ICMP errors only occasionally; a dead peer is detected
@@ -99,26 +104,32 @@ class _PathProtocol(asyncio.DatagramProtocol):
 
 
 class UdpPaths:
-    """The UDP sockets of one rank: one main socket per local path address, plus one send-only
-    socket per (path, extra TOS). All methods run on the event loop's thread.
+    """The UDP sockets of one rank: one receive socket per local path address, plus one send
+    socket per (path, TOS). All methods run on the event loop's thread.
 
-    ``on_datagram(data, path)`` is called for every datagram received; ``on_readable()`` once
-    per read wakeup may be coalesced by the caller (it is called after each datagram).
+    ``rx_buffer()`` returns the writable buffer the next datagram is received into;
+    ``on_datagram(nbytes, path)`` commits it (``nbytes`` is the datagram's real length, which
+    exceeds the buffer's when it was truncated); ``on_readable()`` is called once per read
+    wakeup, after its datagrams.
     """
 
     def __init__(
         self,
-        on_datagram: Callable[[bytes, int], None],
+        rx_buffer: Callable[[], memoryview],
+        on_datagram: Callable[[int, int], None],
         on_readable: Callable[[], None],
         *,
         bufsize: int = DEFAULT_BUFSIZE,
     ) -> None:
+        self._rx_buffer = rx_buffer
         self._on_datagram = on_datagram
         self._on_readable = on_readable
         self._bufsize = bufsize
         self.counters = UdpCounters()
         self._transports: list[asyncio.DatagramTransport] = []
-        self._protocols: list[_PathProtocol] = []
+        self._protocols: list[_SendProtocol] = []
+        self._rx_socks: list[socket.socket] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tx: list[dict[int, asyncio.DatagramTransport]] = []  # per path: tos -> transport
         self._main: list[asyncio.DatagramTransport] = []
         self._peers: list[list[Address]] = []
@@ -127,20 +138,22 @@ class UdpPaths:
     async def open(
         self, local_addrs: Sequence[Address], tos_values: Iterable[int] = (), main_tos: int = 0
     ) -> list[Address]:
-        """Bind one main socket per ``(host, port)`` (port 0: any) and the send-only sockets for
-        ``tos_values``; returns the bound addresses in path order.
+        """Bind one receive socket per ``(host, port)`` (port 0: any) and the send sockets for
+        ``main_tos`` and ``tos_values``; returns the bound receive addresses in path order.
 
         A port in use raises :class:`ConfigError` naming the address; nothing stays open.
         """
-        extra = sorted({int(t) & 0xFF for t in tos_values} - {main_tos & 0xFF})
+        self._loop = loop = asyncio.get_running_loop()
+        main = main_tos & 0xFF
+        tos_all = [main, *sorted({int(t) & 0xFF for t in tos_values} - {main})]
         try:
             for path, (host, port) in enumerate(local_addrs):
-                main = await self._endpoint(path, host, port, main_tos, receives=True)
-                self._main.append(main)
-                self.local.append(main.get_extra_info("sockname")[:2])
-                tx = {main_tos & 0xFF: main}
-                for tos in extra:
-                    tx[tos] = await self._endpoint(path, host, 0, tos, receives=False)
+                rx = _make_socket(host, port, 0, self._bufsize, receives=True)
+                self._rx_socks.append(rx)
+                loop.add_reader(rx.fileno(), self._readable, rx, path)
+                self.local.append(rx.getsockname()[:2])
+                tx = {tos: await self._sender(path, host, tos) for tos in tos_all}
+                self._main.append(tx[tos_all[0]])
                 self._tx.append(tx)
         except BaseException:
             self.close()
@@ -174,10 +187,21 @@ class UdpPaths:
             c.tx_datagrams += 1
             c.tx_bytes += len(data)
 
+    def poll(self) -> None:
+        """Receive whatever is waiting on every receive socket now (without waiting)."""
+        for path, sock in enumerate(self._rx_socks):
+            self._read(sock, path)
+
     def close(self) -> None:
-        """Close every socket (the fds are released once the loop runs their close callbacks)."""
+        """Close every socket (the send sockets' fds are released once the loop runs their close
+        callbacks; the receive sockets' at once)."""
         for tr in self._transports:
             tr.close()
+        for sock in self._rx_socks:
+            if self._loop is not None and not self._loop.is_closed() and sock.fileno() >= 0:
+                self._loop.remove_reader(sock.fileno())
+            sock.close()
+        self._rx_socks = []
 
     async def wait_closed(self) -> None:
         """Close and wait until every socket's fd is released."""
@@ -185,20 +209,38 @@ class UdpPaths:
         await asyncio.gather(*(p.closed for p in self._protocols))
 
     # -- internals -------------------------------------------------------------------------------
-    def _received(self, data: bytes, path: int) -> None:
-        self.counters.rx_datagrams += 1
-        self.counters.rx_bytes += len(data)
-        self._on_datagram(data, path)
-        self._on_readable()
+    def _readable(self, sock: socket.socket, path: int) -> None:
+        if self._read(sock, path):
+            self._on_readable()
 
-    async def _endpoint(
-        self, path: int, host: str, port: int, tos: int, *, receives: bool
-    ) -> asyncio.DatagramTransport:
-        sock = _make_socket(host, port, tos, self._bufsize, receives)
+    def _read(self, sock: socket.socket, path: int) -> int:
+        """Receive up to ``READ_BURST`` datagrams into the driver's arena; returns how many."""
+        c = self.counters
+        rx_buffer, on_datagram = self._rx_buffer, self._on_datagram
+        got = 0
+        for _ in range(READ_BURST):
+            try:
+                # MSG_TRUNC: the return value is the datagram's real length, so one that did not
+                # fit is recognised (and counted by the driver) rather than read as a short one.
+                n = sock.recv_into(rx_buffer(), 0, _MSG_TRUNC)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:  # e.g. an ICMP error queued on the socket: count, go on
+                c.rx_errors += 1
+                log.debug("path %d: receive error %s", path, e)
+                break
+            got += 1
+            c.rx_datagrams += 1
+            c.rx_bytes += n
+            on_datagram(n, path)
+        return got
+
+    async def _sender(self, path: int, host: str, tos: int) -> asyncio.DatagramTransport:
+        sock = _make_socket(host, 0, tos, self._bufsize, receives=False)
         loop = asyncio.get_running_loop()
         try:
             transport, protocol = await loop.create_datagram_endpoint(
-                lambda: _PathProtocol(self, path, receives), sock=sock
+                lambda: _SendProtocol(self, path), sock=sock
             )
         except BaseException:
             sock.close()
@@ -242,10 +284,21 @@ def _make_socket(host: str, port: int, tos: int, bufsize: int, receives: bool) -
 _warned: set[tuple[int, int]] = set()
 
 
+#: The privileged variants of the buffer options: they ignore net.core.{r,w}mem_max (Linux, with
+#: CAP_NET_ADMIN), so a root daemon gets the buffers it asks for without a sysctl.
+_FORCE = {socket.SO_RCVBUF: 33, socket.SO_SNDBUF: 32}  # SO_RCVBUFFORCE, SO_SNDBUFFORCE
+
+
 def _set_buffer(sock: socket.socket, option: int, size: int, host: str) -> None:
     sock.setsockopt(socket.SOL_SOCKET, option, size)
     # Linux reports twice the usable size it granted (bookkeeping overhead included).
     got = sock.getsockopt(socket.SOL_SOCKET, option) // 2
+    if got < size and sys.platform.startswith("linux"):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, _FORCE[option], size)
+            got = sock.getsockopt(socket.SOL_SOCKET, option) // 2
+        except OSError:  # EPERM without CAP_NET_ADMIN: keep the capped size, and say so below
+            pass
     if got < size and (option, got) not in _warned:
         _warned.add((option, got))  # once per process: every socket of every rank hits it
         name = "SO_RCVBUF" if option == socket.SO_RCVBUF else "SO_SNDBUF"

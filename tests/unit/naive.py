@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -236,3 +237,52 @@ def hadamard_inverse(y: np.ndarray, *, seed: int, block: int = 1024) -> np.ndarr
         seg = slice(pos, pos + size)
         x[seg] = d[seg] * (_hadamard_matrix(size) @ y[seg].astype(np.float64))
     return x
+
+
+# -- PathSet acknowledgement update: the numpy formulation the compiled kernel must match ---------
+def path_ack_update(ps: Any, path: np.ndarray, sizes: np.ndarray, now: float, rtt: Any) -> None:
+    """Reference of ``PathSet.on_acked``: whole-array numpy over the paths, on ``ps``'s arrays."""
+    cfg = ps.config
+    n = ps.n_paths
+    path_a = np.asarray(path, dtype=np.int64)
+    acked = np.bincount(path_a, weights=np.asarray(sizes, dtype=np.float64), minlength=n)
+    got = acked > 0
+    counts = np.bincount(path_a, minlength=n)
+    ps._outstanding[:] = np.maximum(ps._outstanding - acked, 0.0)
+    ps._acked_total += acked
+    ps._last_delivery[:] = np.where(got, now, ps._last_delivery)
+    ps._last_progress[:] = np.where(got, now, ps._last_progress)
+    ps._loss *= (1.0 - cfg.loss_alpha) ** counts
+    if rtt is not None:
+        r = np.asarray(rtt, dtype=np.float64)
+        ok = np.isfinite(r) & (r >= 0.0)
+        p, r = path_a[ok], r[ok]
+        if p.size:
+            cnt = np.bincount(p, minlength=n)
+            has = cnt > 0
+            mean = np.bincount(p, weights=r, minlength=n)[has] / cnt[has]
+            np.minimum.at(ps._min_rtt, p, r)
+            a = cfg.rtt_alpha
+            srtt, var = ps._srtt[has], ps._rttvar[has]
+            first = np.isnan(srtt)
+            new_var = np.where(first, mean / 2.0, (1 - 2 * a) * var + 2 * a * np.abs(srtt - mean))
+            ps._srtt[has] = np.where(first, mean, (1.0 - a) * srtt + a * mean)
+            ps._rttvar[has] = new_var
+    open_ = ~np.isnan(ps._win_t0)
+    ps._win_bytes += np.where(open_, acked, 0.0)
+    elapsed = np.where(open_, now - np.nan_to_num(ps._win_t0), 0.0)
+    window = np.maximum(cfg.rate_window_s, np.nan_to_num(ps._srtt, nan=0.0))
+    drained = ps._outstanding <= 0.0
+    close = open_ & got & ((elapsed >= window) | drained)
+    sample_ok = close & (elapsed > 0.0)
+    if sample_ok.any():
+        sample = np.divide(ps._win_bytes, elapsed, out=np.zeros(n), where=sample_ok)
+        smoothed = (1.0 - cfg.rate_alpha) * ps._rate + cfg.rate_alpha * sample
+        smoothed = np.where(drained, np.maximum(ps._rate, smoothed), smoothed)
+        ps._rate[:] = np.where(sample_ok, np.maximum(smoothed, 1.0), ps._rate)
+    restart = got & ~drained & (close | ~open_)
+    ps._win_t0[:] = np.where(restart, now, np.where(close, np.nan, ps._win_t0))
+    ps._win_bytes[:] = np.where(close | restart, 0.0, ps._win_bytes)
+    lift = got & (ps._loss <= cfg.loss_suspect) & (ps._state != 0)
+    ps._state[lift] = 0
+    ps._next_probe[lift] = np.inf

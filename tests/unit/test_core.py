@@ -394,3 +394,56 @@ def test_sender_report_counts_this_collective_only():
         assert sum(rep.per_path_bytes) == rep.bytes_sent > 0
         assert all(b > 0 for b in rep.per_path_bytes)
     assert reports[2].bytes_sent < 2 * reports[1].bytes_sent  # not cumulative
+
+
+@pytest.mark.parametrize("window_chunks", [0, 4])
+def test_flight_window_bounds_bytes_in_flight(window_chunks):
+    """``window_bytes`` caps a sender's unacknowledged bytes toward each peer (0: no cap)."""
+    chunk = 256
+    eps = make(3, window_bytes=window_chunks * chunk, burst_packets=64, ack_every=4)
+    highest = {0: 0}
+
+    def watch(src, dg, seq):
+        transfers = eps[src].endpoint.sender.transfers.values()
+        flight = sum(t.n_inflight for t in transfers if t.key.dst == dg.peer)
+        highest[0] = max(highest[0], flight)
+        return False
+
+    wire = Wire(eps, latency=2e-3, drop=watch)  # a long RTT: without a window, all goes at once
+    datas = [np.random.default_rng(r).standard_normal(3000).astype(np.float32) for r in range(3)]
+    out = run_allreduce(eps, datas, wire)
+    expect = np.sum(datas, axis=0)
+    for r in range(3):
+        np.testing.assert_allclose(out[r].result, expect, rtol=1e-5, atol=1e-5)
+    if window_chunks:
+        assert window_chunks // 2 <= highest[0] <= window_chunks + 1  # one packet of debt at most
+    else:
+        assert highest[0] > 8  # the test would see a window that did not bind
+
+
+def test_zero_copy_receive_matches_receive_datagram():
+    """rx_buffer + commit_datagram (the UDP engine's path) behaves as receive_datagram."""
+    eps = make(2)
+    wire = Wire(eps)
+    datas = [np.arange(1000, dtype=np.float32) * (r + 1) for r in range(2)]
+
+    class ZeroCopy:
+        def __init__(self, core):
+            self.core = core
+
+        def receive_datagram(self, data, path, now):
+            buf = self.core.rx_buffer()
+            buf[: len(data)] = data
+            self.core.commit_datagram(len(data), path, now)
+
+        def __getattr__(self, name):
+            return getattr(self.core, name)
+
+    wire.endpoints = [ZeroCopy(eps[0]), eps[1]]
+    out = run_allreduce(eps, datas, wire)
+    for r in range(2):
+        np.testing.assert_array_equal(out[r].result, datas[0] + datas[1])
+    # A datagram longer than the buffer (truncated by the socket) is counted, not processed.
+    before = int(eps[0].endpoint.counters[Reason.OVERSIZED])
+    eps[0].commit_datagram(len(eps[0].rx_buffer()) + 1, 0, wire.now)
+    assert int(eps[0].endpoint.counters[Reason.OVERSIZED]) == before + 1

@@ -72,7 +72,7 @@ def test_registry() -> None:
         def rate_Bps(self) -> float:  # noqa: N802
             return self.config.initial_rate_Bps / 2
 
-    assert Pacer(PacingConfig(controller="test-half")).rate_Bps == pytest.approx(0.625e8)
+    assert Pacer(PacingConfig(controller="test-half")).rate_Bps == pytest.approx(0.625e9)
     with pytest.raises(ConfigError, match="already registered"):
         register_controller("test-half")(Half)
 
