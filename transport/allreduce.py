@@ -20,6 +20,7 @@ sum, and a lost chunk becomes small noise spread over its block.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,12 +42,43 @@ from transport.packet import DType, Phase, TransferSpec, chunk_counts
 from transport.receiver import InKey
 from transport.sender import OutKey
 
-__all__ = ["TransposeAllReduce", "from_f32", "shard_bounds", "to_f32", "warm_up", "wire_view"]
+__all__ = [
+    "TransposeAllReduce",
+    "check_servers",
+    "from_f32",
+    "shard_bounds",
+    "to_f32",
+    "warm_up",
+    "wire_view",
+]
 
 
-def shard_bounds(n_elems: int, world: int) -> np.ndarray:
-    """Start offsets of each rank's shard plus the end: shard i = [b[i], b[i+1])."""
-    return (np.arange(world + 1, dtype=np.int64) * n_elems) // world
+def shard_bounds(n_elems: int, world: int, servers: Sequence[int] | None = None) -> np.ndarray:
+    """Start offsets of each rank's shard plus the end: shard i = [b[i], b[i+1]).
+
+    Without ``servers`` every rank owns an equal shard (the transpose all-reduce). With them, the
+    bucket is split evenly over the server ranks only (in rank order) and every other rank's
+    shard is empty: a parameter server (one server) or a sharded one (several).
+    """
+    if servers is None:
+        return (np.arange(world + 1, dtype=np.int64) * n_elems) // world
+    owners = sorted(set(servers))
+    splits = (np.arange(len(owners) + 1, dtype=np.int64) * n_elems) // len(owners)
+    size = np.zeros(world, dtype=np.int64)
+    size[owners] = np.diff(splits)
+    return np.concatenate(([0], np.cumsum(size)))
+
+
+def check_servers(servers: Sequence[int] | None, world: int) -> tuple[int, ...] | None:
+    """Validate a parameter-server rank list (non-empty, ranks in range, no repeats)."""
+    if servers is None:
+        return None
+    out = tuple(int(r) for r in servers)
+    if not out or len(set(out)) != len(out) or not all(0 <= r < world for r in out):
+        raise ValueError(
+            f"servers={list(servers)}: give distinct ranks in [0, {world}), at least one"
+        )
+    return out
 
 
 def wire_view(data: np.ndarray, dtype: int | None) -> tuple[np.ndarray, int]:
@@ -142,8 +174,16 @@ class TransposeAllReduce:
         *,
         dtype: int | None = None,
         pinned: bool = False,
+        servers: Sequence[int] | None = None,
     ) -> None:
         """Begin all-reducing ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
+
+        ``servers`` makes it a parameter-server exchange: every rank *pushes* its bucket to the
+        server ranks (each server owns an equal slice), the servers sum, and every rank *pulls*
+        the sum back; same loss policy, priorities, fill rules and report. Every rank must pass
+        the same ``servers`` for a (step, bucket). ``None``: the transpose all-reduce (every rank
+        serves one shard), which spreads the load evenly and is the faster choice on a uniform
+        network; one server fits when a single host has the bandwidth (or must own the result).
 
         ``layer_position`` is 0 for the front layer (needed first next step), 1 for the last.
         ``data`` is never written, but it is read until the collective ends (peers' shards are
@@ -151,6 +191,7 @@ class TransposeAllReduce:
         The result (a new array) comes with that event.
         """
         wire_in, wdt = wire_view(data, dtype)
+        servers = check_servers(servers, self.world)
         if (step, bucket) in self._running:
             raise ValueError(f"step {step} bucket {bucket} is already being all-reduced")
         ep = self.endpoint
@@ -168,7 +209,7 @@ class TransposeAllReduce:
             # The caller's words are only read (peers' shards are packed straight from them), so
             # nothing is copied but this rank's own shard: one memory pass fewer per collective.
             src = wire_in
-        bounds = shard_bounds(n, world)
+        bounds = shard_bounds(n, world, servers)
         lo, hi = int(bounds[me]), int(bounds[me + 1])
         chunk_elems = self.config.chunk_elems(wdt)
         result = np.empty_like(src)  # every other shard is written by the gather phase

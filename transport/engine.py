@@ -192,12 +192,15 @@ class Engine:
         data: np.ndarray,
         layer_position: float = 0.5,
         dtype: int | None = None,
+        servers: Sequence[int] | None = None,
     ) -> concurrent.futures.Future[Result]:
         """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
 
         Returns a Future of ``(result, CollectiveReport)``; the result is a new array (the SUM
         over ranks). The engine reads ``data`` on its thread: do not modify it until the Future
         is done. Errors (a bad bucket, a late peer, a closed engine) fail the Future.
+        ``servers`` (ranks) makes it a parameter-server push/pull instead of the transpose
+        all-reduce (see :meth:`TransposeAllReduce.start`); every rank passes the same list.
         """
         fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
         with self._lock:
@@ -208,7 +211,9 @@ class Engine:
                     TransferFailed(f"engine {state}: step {step} bucket {bucket} not submitted")
                 )
                 return fut
-            loop.call_soon_threadsafe(self._start, fut, step, bucket, data, layer_position, dtype)
+            loop.call_soon_threadsafe(
+                self._start, fut, step, bucket, data, layer_position, dtype, servers
+            )
         return fut
 
     def stats(self) -> dict[str, Any]:
@@ -278,12 +283,14 @@ class Engine:
         data: np.ndarray,
         layer_position: float,
         dtype: int | None,
+        servers: Sequence[int] | None,
     ) -> None:
         if self._closed:
             fut.set_exception(TransferFailed(f"engine closed: step {step} bucket {bucket}"))
             return
         now = time.monotonic()
-        if self._pending.start(self._core, fut, step, bucket, data, layer_position, dtype, now):
+        pending = self._pending
+        if pending.start(self._core, fut, step, bucket, data, layer_position, dtype, now, servers):
             self._service()
 
     def _on_datagram(self, nbytes: int, path: int) -> None:

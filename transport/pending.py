@@ -9,7 +9,7 @@ is left when the driver stops or breaks. One implementation, so the drivers cann
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -53,6 +53,7 @@ class PendingCollectives:
         layer_position: float,
         dtype: int | None,
         now: float,
+        servers: Sequence[int] | None = None,
     ) -> bool:
         """Start one collective for ``fut``; a bad request fails its own Future, never the loop.
 
@@ -69,7 +70,7 @@ class PendingCollectives:
                 return False
             self._futures[key] = fut
         try:
-            core.start(step, bucket, data, layer_position, now, dtype=dtype)
+            core.start(step, bucket, data, layer_position, now, dtype=dtype, servers=servers)
         except (ValueError, TypeError, GradlaneError) as exc:
             with self._lock:
                 self._futures.pop(key, None)

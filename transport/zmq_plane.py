@@ -110,6 +110,7 @@ class _Job:
     layer_position: float
     dtype: int | None
     future: Future[CollectiveResult]
+    servers: tuple[int, ...] | None = None
 
 
 class ZmqDataPlane:
@@ -250,8 +251,10 @@ class ZmqDataPlane:
         data: np.ndarray,
         layer_position: float = 0.5,
         dtype: int | None = None,
+        servers: Sequence[int] | None = None,
     ) -> Future[CollectiveResult]:
-        """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
+        """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``);
+        ``servers`` makes it a parameter-server push/pull (as :meth:`Engine.submit`).
 
         Thread-safe. The Future resolves to ``(sum over ranks, CollectiveReport)`` or fails with
         the collective's error (:class:`TransferFailed` if the plane closes first). ``data`` must
@@ -268,7 +271,8 @@ class ZmqDataPlane:
                     TransferFailed(f"rank {self.me}: the ZeroMQ data plane is {state}")
                 )
                 return fut
-            self._inbox.put(_Job(step, bucket, data, layer_position, dtype, fut))
+            srv = None if servers is None else tuple(servers)
+            self._inbox.put(_Job(step, bucket, data, layer_position, dtype, fut, srv))
         self._wake()
         return fut
 
@@ -391,6 +395,7 @@ class _Loop:
                 job.layer_position,
                 job.dtype,
                 now,
+                job.servers,
             )
             if started:
                 # world == 1 completes inside start(); deliver it now rather than at the next wake.

@@ -447,3 +447,40 @@ def test_zero_copy_receive_matches_receive_datagram():
     before = int(eps[0].endpoint.counters[Reason.OVERSIZED])
     eps[0].commit_datagram(len(eps[0].rx_buffer()) + 1, 0, wire.now)
     assert int(eps[0].endpoint.counters[Reason.OVERSIZED]) == before + 1
+
+
+@pytest.mark.parametrize("servers", [(0,), (3,), (1, 2), (0, 1, 2, 3)])
+@pytest.mark.parametrize("n", [1, 1000, 4097])
+def test_parameter_server_push_pull_is_exact(servers, n):
+    """Pushes go only to the servers, pulls only come from them, and every rank gets the sum."""
+    world = 4
+    eps = make(world)
+    data_between = set()
+
+    def watch(src, dg, seq):
+        if kind_of(dg) == Kind.DATA:
+            data_between.add((src, dg.peer))
+        return False
+
+    wire = Wire(eps, drop=watch)
+    rng = np.random.default_rng(n)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    for r, ep in enumerate(eps):
+        ep.start(1, 0, datas[r], layer_position=0.5, now=0.0, servers=servers)
+    wire.run(lambda: sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == world)
+    expect = np.sum(datas, axis=0)
+    for _, _, e in wire.events:
+        np.testing.assert_allclose(e.result, expect, rtol=1e-5, atol=1e-5)
+    # Every DATA packet has a server at one end (non-servers never talk to each other), and a
+    # bucket big enough for every server to own a chunk is pushed to each of them.
+    assert all(a in servers or b in servers for a, b in data_between)
+    if n >= 4 * 64:
+        pushers = {a for a, b in data_between if b in servers}
+        assert pushers >= set(range(world)) - (set(servers) if len(servers) == 1 else set())
+
+
+def test_parameter_server_list_is_validated():
+    eps = make(2)
+    for bad in ((), (0, 0), (2,), (-1,)):
+        with pytest.raises(ValueError, match="servers"):
+            eps[0].start(1, 0, np.ones(8, np.float32), 0.5, 0.0, servers=bad)
