@@ -81,6 +81,10 @@ class TransportConfig:
     """Bytes of packets for transfers not yet started locally that are held for later."""
     seed: int = 0
     """Seed of the endpoint's random generator (path choice tie-breaks)."""
+    inject_loss: float = 0.0
+    """Tests and demos only: the UDP engine drops this fraction of the datagrams it receives,
+    at random (seeded by ``seed`` and the rank), before the protocol sees them, so that loss
+    shows on a loopback that never loses. Always 0 on a real network."""
     priority: PriorityConfig = field(default_factory=PriorityConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     paths: PathConfig = field(default_factory=PathConfig)
@@ -112,6 +116,10 @@ class TransportConfig:
             raise ConfigError(f"rotate_block={self.rotate_block}: must be a power of two")
         if self.step_window < 1:
             raise ConfigError("step_window must be >= 1")
+        if not 0.0 <= self.inject_loss < 1.0:
+            raise ConfigError(
+                f"inject_loss={self.inject_loss}: a fraction of datagrams in [0, 1) (0 = off)"
+            )
 
     @property
     def tag_key(self) -> TagKey:

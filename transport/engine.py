@@ -101,6 +101,11 @@ class Engine:
         self._stopping = False
         self._lock = threading.Lock()  # guards _closed against submit() racing close()
         self.bound: list[Address] = []
+        # Opt-in loss for tests and demos (TransportConfig.inject_loss): seeded per rank.
+        self._drop_rng = (
+            np.random.default_rng([cfg.seed, me, 0x10557]) if cfg.inject_loss > 0 else None
+        )
+        self._injected_drops = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> list[Address]:
@@ -223,6 +228,7 @@ class Engine:
             out = dict(self._core.endpoint.stats())
             out["udp"] = asdict(self._udp.counters)
             out["in_flight"] = self._core.in_flight
+            out["injected_drops"] = self._injected_drops
             return out
 
         return self._call(collect)
@@ -294,6 +300,10 @@ class Engine:
             self._service()
 
     def _on_datagram(self, nbytes: int, path: int) -> None:
+        # The datagram is already in the core's arena; a dropped one is simply not committed.
+        if self._drop_rng is not None and self._drop_rng.random() < self.config.inject_loss:
+            self._injected_drops += 1
+            return
         self._core.commit_datagram(nbytes, path, time.monotonic())
 
     def _on_readable(self) -> None:
