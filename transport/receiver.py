@@ -284,7 +284,9 @@ class ReceiverCore:
         key = InKey(h["step"], h["bucket"], h["shard"], h["phase"])
         t = t_hint or self.transfers.get(key)
         if t is None:
-            if key not in self.tombstones:
+            if key in self.tombstones:  # our STOP was lost: the sender still FINs, answer again
+                self._stop_late(key, h["src"], now)
+            else:
                 self.early_control.setdefault(key, []).append((bytes(data), path))
             return
         if t.done:
@@ -310,10 +312,7 @@ class ReceiverCore:
         """DATA (validated at session level) for a transfer that is not running here."""
         if key in self.tombstones:
             self.late += 1
-            last = self._stop_sent.get((key, src), -np.inf)
-            if now - last >= self.config.min_rto_s:
-                self._stop_sent[(key, src)] = now
-                self._out.append(Datagram(self.encode(Kind.STOP, key, src), src, 0, self.tos))
+            self._stop_late(key, src, now)
             return
         if self.early_bytes + len(data) > self.config.early_buffer_bytes:
             self.early_dropped += 1
@@ -322,6 +321,13 @@ class ReceiverCore:
         if (src, chunk) not in held:
             held[(src, chunk)] = data
             self.early_bytes += len(data)
+
+    def _stop_late(self, key: InKey, src: int, now: float) -> None:
+        """Answer a sender still talking about a finished transfer with STOP (rate-limited)."""
+        last = self._stop_sent.get((key, src), -np.inf)
+        if now - last >= self.config.min_rto_s:
+            self._stop_sent[(key, src)] = now
+            self._out.append(Datagram(self.encode(Kind.STOP, key, src), src, 0, self.tos))
 
     # -- output and time ---------------------------------------------------------------------
     def datagrams_to_send(self, now: float) -> list[Datagram]:

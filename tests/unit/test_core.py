@@ -484,3 +484,35 @@ def test_parameter_server_list_is_validated():
     for bad in ((), (0, 0), (2,), (-1,)):
         with pytest.raises(ValueError, match="servers"):
             eps[0].start(1, 0, np.ones(8, np.float32), 0.5, 0.0, servers=bad)
+
+
+def test_fin_for_a_finished_transfer_is_answered_with_stop():
+    """The receiver's STOP is lost after it completed within the bound: the sender's repeated
+    FIN must be answered with STOP again, or the sender holds the transfer until its hard
+    deadline (and an engine closing then waits out its drain)."""
+    world, n = 2, 20000
+    cfg = dict(
+        loss=LossConfig(
+            loss_bound=0.3, gather_loss_bound=0.3, soft_deadline_max_s=1.0, hard_deadline_s=5.0
+        ),
+        priority=PriorityConfig(protected_fraction=0.1, droppable_fraction=0.25),
+    )
+    eps = make(world, **cfg)
+    rng = np.random.default_rng(4)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    stops_dropped: set[int] = set()
+
+    def drop(src, dg, q):
+        kind = kind_of(dg)
+        if kind == Kind.STOP and src not in stops_dropped:
+            stops_dropped.add(src)  # each receiver's first STOP
+            return True
+        return kind == Kind.DATA and bool(header_of(dg)["flags"] & 16)  # DROPPABLE, always
+
+    wire = Wire(eps, drop=drop)
+    out = run_allreduce(eps, datas, wire)
+    assert all(out[r].report.delivered_fraction < 1.0 for r in range(world))
+    assert stops_dropped
+    t_done = wire.now
+    wire.run(lambda: all(not ep.endpoint.sender.transfers for ep in eps), max_time=10.0)
+    assert wire.now - t_done < 1.0, f"senders retired {wire.now - t_done:.3f}s after completion"
