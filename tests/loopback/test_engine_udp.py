@@ -325,7 +325,7 @@ def _fds() -> int:
 
 
 @pytest.mark.timeout(120)
-def test_no_thread_or_fd_growth_after_50_collectives(cluster: MakeCluster):
+def test_no_thread_or_fd_growth_after_100_collectives(cluster: MakeCluster):
     rng = np.random.default_rng(5)
     data = [rng.standard_normal(20_001).astype(np.float32) for _ in range(2)]
     warm = cluster(2)  # imports, numba caches and loop machinery, once
@@ -334,10 +334,24 @@ def test_no_thread_or_fd_growth_after_50_collectives(cluster: MakeCluster):
         e.close()
     threads, fds = threading.active_count(), _fds()
     engines = cluster(2)
-    for step in range(1, 51):
+    for step in range(1, 101):
         for res, _ in allreduce(engines, step, data):
             np.testing.assert_array_equal(res, data[0] + data[1])
     for e in engines:
         e.close()
     assert threading.active_count() == threads
     assert _fds() == fds
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("servers", [(0,), (1, 3)])
+def test_parameter_server_over_udp_is_exact(cluster: MakeCluster, servers: tuple[int, ...]):
+    engines = cluster(4)
+    rng = np.random.default_rng(len(servers))
+    data = [rng.standard_normal(300_001).astype(np.float32) for _ in engines]
+    futs = [e.submit(1, 0, d, servers=servers) for e, d in zip(engines, data, strict=True)]
+    expect = np.sum(data, axis=0)
+    for f in futs:
+        res, rep = f.result(WAIT_S)
+        np.testing.assert_allclose(res, expect, rtol=1e-5, atol=1e-5)
+        assert rep.delivered_fraction == 1.0

@@ -172,6 +172,18 @@ def test_allreduce_equals_the_numpy_sum(ipc_dir, closing, world, dtype, n):
         np.testing.assert_array_equal(x, x0)  # the caller's buckets are left untouched
 
 
+def test_parameter_server_push_pull_is_exact(ipc_dir, closing):
+    planes = _planes(ipc_dir, 3, closing)
+    rng = np.random.default_rng(9)
+    xs = [rng.standard_normal(100_003).astype(np.float32) for _ in planes]
+    futs = [p.submit(2, 0, x, servers=(1,)) for p, x in zip(planes, xs, strict=True)]
+    expect = np.sum(xs, axis=0)
+    for f in futs:
+        result, report = f.result(timeout=RESULT_TIMEOUT_S)
+        np.testing.assert_allclose(result, expect, rtol=1e-5, atol=1e-5)
+        assert report.delivered_fraction == 1.0
+
+
 def test_handshake_then_allreduce_with_concurrent_buckets_and_stats(ipc_dir, closing):
     config, anns, servers = _servers(ipc_dir, 3, closing, job=9, secret="k")
     ctl = [s.endpoint for s in servers]
