@@ -379,6 +379,9 @@ class TransposeAllReduce:
                 a = jl + ch * chunk_elems
                 b = min(a + chunk_elems, int(c.bounds[j + 1]))
                 from_f32(to_f32(c.src[a:b], c.dtype) * world, c.dtype, c.result[a:b])
+        # The result goes back to the caller (and is un-rotated in place below), and so does the
+        # input: outgoing transfers still sending must stop reading them.
+        self.endpoint.sender.detach(c.step, c.bucket)
         if c.rotated:
             kernels.hadamard_inverse(
                 c.result, seed=self._seed(c.step, c.bucket), block=self.config.rotate_block
@@ -400,6 +403,7 @@ class TransposeAllReduce:
         c = self._running.pop((ev.step, ev.bucket), None)
         if c is None:
             return
+        self.endpoint.sender.detach(c.step, c.bucket)
         for j in range(self.world):
             for phase in (Phase.REDUCE, Phase.GATHER):
                 self.endpoint.receiver.abort(InKey(c.step, c.bucket, j, phase))

@@ -3,9 +3,13 @@
 Theory of operation
 -------------------
 An *outgoing transfer* is one shard (step, bucket, shard, phase) for one peer. At start the shard
-is classified (priority policy on per-chunk norms and the bucket's layer position) and packed
-once into an arena of ready packets; the user's buffer is free again as soon as ``start``
-returns. Per-chunk state lives in numpy arrays (STYLE rule 3):
+is classified (priority policy on per-chunk norms and the bucket's layer position); it is packed
+into an arena of ready packets lazily, a block of chunks at a time, right before the block's
+first chunk is sent: the first packet leaves without waiting for the whole shard to be copied,
+packing overlaps the peer's work, and each block is still in cache when the kernel copies it
+out. Retransmissions reuse the arena. The caller's buffer is therefore read until every block
+is packed; :meth:`SenderCore.detach` packs the rest at once when the buffer must be released (a
+collective that completed or failed). Per-chunk state lives in numpy arrays (STYLE rule 3):
 
 =========  ================================================================================
 state      meaning
@@ -45,11 +49,14 @@ from scheduling.priority import PriorityPolicy, send_order_key
 from transport import kernels
 from transport.config import TransportConfig
 from transport.events import Datagram, SenderReport
-from transport.packet import DType, Flags, Header, Kind, Phase, chunk_counts
+from transport.packet import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Phase, chunk_counts
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
 log = logging.getLogger(__name__)
+
+#: Lazy packing granularity: a block this large is packed when its first chunk is sent.
+PACK_BLOCK_BYTES = 1 << 20
 
 PENDING, INFLIGHT, LOST, ACKED, ABANDONED = 0, 1, 2, 3, 4
 
@@ -109,7 +116,8 @@ class OutTransfer:
             flags[-1] |= np.uint8(Flags.LAST)
         self.arena = np.empty((max(n, 1), cfg.slot_bytes), dtype=np.uint8)
         self.lengths = np.zeros(max(n, 1), dtype=np.int32)
-        header = Header(
+        self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # what pack will write
+        self._header = Header(
             kind=Kind.DATA,
             job=cfg.job,
             step=key.step,
@@ -120,18 +128,12 @@ class OutTransfer:
             phase=key.phase,
             dtype=dtype,
         )
-        if n:
-            kernels.pack(
-                data,
-                self.arena,
-                self.lengths,
-                dtype=DType(dtype),
-                header=header,
-                chunk_elems=self.chunk_elems,
-                key=core.key,
-                prio=self.prio,
-                flags=flags,
-            )
+        self._src: np.ndarray | None = data if n else None
+        self._dtype = DType(dtype)
+        self._tag_key = core.key
+        self._flags = flags
+        self._block = max(1, PACK_BLOCK_BYTES // max(cfg.chunk_bytes, 1))
+        self._packed = np.zeros(-(-n // self._block), dtype=bool)
         self.state = np.zeros(n, dtype=np.uint8)
         self.sent_at = np.zeros(n, dtype=np.float64)
         self.path = np.zeros(n, dtype=np.int16)
@@ -153,6 +155,41 @@ class OutTransfer:
         self.rto_backoff = 1.0
         self.done = False
         self.gather = gather
+
+    # -- packing ---------------------------------------------------------------------------
+    def ensure_packed(self, chunks: np.ndarray) -> None:
+        """Pack the blocks holding ``chunks`` that are not packed yet."""
+        blocks = chunks // self._block
+        todo = blocks[~self._packed[blocks]]
+        if todo.size:
+            for b in np.unique(todo).tolist():
+                self._pack_block(b)
+
+    def pack_all(self) -> None:
+        """Pack every block not packed yet; the source buffer is not read after this."""
+        for b in np.flatnonzero(~self._packed).tolist():
+            self._pack_block(b)
+
+    def _pack_block(self, b: int) -> None:
+        assert self._src is not None
+        c0 = b * self._block
+        c1 = min(c0 + self._block, self.n_chunks)
+        ce = self.chunk_elems
+        kernels.pack(
+            self._src[c0 * ce : min(c1 * ce, self.n_elems)],
+            self.arena[c0:c1],
+            self.lengths[c0:c1],
+            dtype=self._dtype,
+            header=self._header,
+            chunk_elems=ce,
+            key=self._tag_key,
+            prio=self.prio[c0:c1],
+            flags=self._flags[c0:c1],
+            first_chunk=c0,
+        )
+        self._packed[b] = True
+        if self._packed.all():
+            self._src = None  # everything is in the arena: drop the caller's buffer
 
     # -- queries ---------------------------------------------------------------------------
     def next_class(self) -> int | None:
@@ -269,6 +306,14 @@ class SenderCore:
             bytes_sent=s.bytes_sent,
             per_path_bytes=tuple(int(x) for x in s.path_bytes),
         )
+
+    def detach(self, step: int, bucket: int) -> None:
+        """Pack whatever the outgoing transfers of (step, bucket) have not packed yet, so their
+        source buffers are no longer read (the collective is over: its buffers go back to the
+        caller, while peers may still need retransmissions from the arena)."""
+        for t in self.transfers.values():
+            if t.key.step == step and t.key.bucket == bucket:
+                t.pack_all()
 
     def forget_stats(self, step: int, bucket: int) -> None:
         """Drop the per-(step, bucket) counters once reported."""
@@ -635,6 +680,7 @@ class SenderCore:
         st.bytes_sent += int(sizes.sum())
         np.add.at(st.path_bytes, paths, sizes)
         tos = self._tos[cls]
+        t.ensure_packed(chunks)
         arena, lengths = t.arena, t.lengths
         for c, q in zip(chunks.tolist(), paths.tolist(), strict=True):
             out.append(Datagram(arena[c, : lengths[c]].data, peer, q, tos))

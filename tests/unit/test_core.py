@@ -516,3 +516,38 @@ def test_fin_for_a_finished_transfer_is_answered_with_stop():
     t_done = wire.now
     wire.run(lambda: all(not ep.endpoint.sender.transfers for ep in eps), max_time=10.0)
     assert wire.now - t_done < 1.0, f"senders retired {wire.now - t_done:.3f}s after completion"
+
+
+def test_buffers_are_released_at_completion_despite_lazy_packing(monkeypatch):
+    """Packing is lazy (block by block, at first send), but once a rank's collective completes
+    its input and result belong to the caller again: overwriting them must not change what its
+    peers still receive."""
+    from scheduling.pacing import PacingConfig
+    from transport import sender
+
+    monkeypatch.setattr(sender, "PACK_BLOCK_BYTES", 1024)  # 4 chunks of 256 bytes per block
+    slow = PacingConfig(controller="fixed", initial_rate_Bps=2e5, min_rate_Bps=1e5, burst_bytes=600)
+    flat = PriorityConfig(policy="flat")  # one class: rank 0 sends its reduce shard, then gather
+    eps = [
+        TransposeAllReduce(0, 2, TransportConfig(chunk_bytes=256, pacing=slow, priority=flat)),
+        TransposeAllReduce(1, 2, TransportConfig(chunk_bytes=256, priority=flat)),
+    ]
+    wire = Wire(eps)
+    rng = np.random.default_rng(3)
+    datas = [rng.standard_normal(4000).astype(np.float32) for _ in range(2)]
+    expect = datas[0] + datas[1]
+    for r, ep in enumerate(eps):
+        ep.start(1, 0, datas[r], layer_position=0.5, now=0.0)
+
+    def finished(rank):
+        return any(r == rank and isinstance(e, AllReduceComplete) for r, _, e in wire.events)
+
+    wire.run(lambda: finished(0) or finished(1))
+    assert finished(0) and not finished(1)  # rank 0 is done; its gather is still on its way
+    (res0,) = [e.result for r, _, e in wire.events if r == 0]
+    np.testing.assert_allclose(res0, expect, rtol=1e-6)
+    datas[0][:] = np.nan  # the caller reuses both buffers at once
+    res0[:] = np.nan
+    wire.run(lambda: finished(1))
+    (res1,) = [e.result for r, _, e in wire.events if r == 1]
+    np.testing.assert_allclose(res1, expect, rtol=1e-6)
