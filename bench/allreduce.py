@@ -8,7 +8,8 @@ Usage::
 For each rank count the parent spawns one process per rank. Rank 0 hosts a ``TCPStore`` on
 127.0.0.1 (a free port); the gloo group is built on it and the same store carries every rank's
 bound gradlane addresses (UDP: 127.0.0.1 and 127.0.0.2 as two paths; ZeroMQ: a tcp:// endpoint per
-path). Each repetition runs every transport on the same float32 buffer, with a barrier before each
+path). Each repetition runs every transport on a fresh copy of the same float32 buffer, reduced in
+place as gloo's ``all_reduce`` does (``submit(..., out=buf)``), with a barrier before each
 call; each rank times its own call and the step time is the max over ranks (a gloo MAX
 all-reduce of the times). The first repetition of every (transport, size) checks the result
 against gloo's: the reliable modes must match within float tolerance or the run fails; the
@@ -152,9 +153,10 @@ def _timed_loop(
                     mine.append(time.perf_counter() - t0)
                     gloo_result = buf.numpy()
                     continue
+                buf = data.copy()  # in place, as gloo's all_reduce (and its copy, untimed)
                 dist.barrier()
                 t0 = time.perf_counter()
-                res, report = engines[t].submit(step, 0, data).result(args["timeout"])
+                res, report = engines[t].submit(step, 0, buf, out=buf).result(args["timeout"])
                 mine.append(time.perf_counter() - t0)
                 if rep == 0:
                     checks[t][mb] = _check(t, rank, mb, res, report, gloo_result)

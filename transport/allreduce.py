@@ -69,6 +69,22 @@ def shard_bounds(n_elems: int, world: int, servers: Sequence[int] | None = None)
     return np.concatenate(([0], np.cumsum(size)))
 
 
+def _out_words(out: np.ndarray, data: np.ndarray, wire_in: np.ndarray) -> np.ndarray:
+    """The caller's result buffer as wire words; it must match ``data`` exactly."""
+    if (
+        not isinstance(out, np.ndarray)
+        or out.shape != data.shape
+        or out.dtype != data.dtype
+        or not out.flags["C_CONTIGUOUS"]
+        or not out.flags["WRITEABLE"]
+    ):
+        raise ValueError(
+            f"out must be a writable contiguous array like the bucket ({data.dtype}{data.shape}), "
+            f"got {getattr(out, 'dtype', type(out).__name__)}{getattr(out, 'shape', '')}"
+        )
+    return out.view(wire_in.dtype)
+
+
 def check_servers(servers: Sequence[int] | None, world: int) -> tuple[int, ...] | None:
     """Validate a parameter-server rank list (non-empty, ranks in range, no repeats)."""
     if servers is None:
@@ -175,6 +191,7 @@ class TransposeAllReduce:
         dtype: int | None = None,
         pinned: bool = False,
         servers: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
     ) -> None:
         """Begin all-reducing ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
 
@@ -184,6 +201,12 @@ class TransposeAllReduce:
         the same ``servers`` for a (step, bucket). ``None``: the transpose all-reduce (every rank
         serves one shard), which spreads the load evenly and is the faster choice on a uniform
         network; one server fits when a single host has the bandwidth (or must own the result).
+
+        ``out`` (same shape and dtype as ``data``) receives the result instead of a new array;
+        it may be ``data`` itself (in place, as ``torch.distributed.all_reduce`` works): peers'
+        shards are only overwritten by the gather phase, which cannot start before those peers
+        have everything they need from this rank. Reusing buffers saves the page faults of a
+        fresh result every call.
 
         ``layer_position`` is 0 for the front layer (needed first next step), 1 for the last.
         ``data`` is never written, but it is read until the collective ends (peers' shards are
@@ -212,13 +235,19 @@ class TransposeAllReduce:
         bounds = shard_bounds(n, world, servers)
         lo, hi = int(bounds[me]), int(bounds[me + 1])
         chunk_elems = self.config.chunk_elems(wdt)
-        result = np.empty_like(src)  # every other shard is written by the gather phase
+        if out is None:
+            result = np.empty_like(src)  # every other shard is written by the gather phase
+        else:
+            result = _out_words(out, data, wire_in)
         result[lo:hi] = src[lo:hi]
         # float32 sums in place in the result's own shard; 16-bit words need a float32 copy.
         accum = result[lo:hi] if wdt == DType.F32 else to_f32(src[lo:hi], wdt)
         n_mine = -(-(hi - lo) // chunk_elems)
         contrib = np.ones(n_mine, dtype=np.uint16)
-        original = result.view(data.dtype) if data.dtype != result.dtype else result
+        if out is not None:
+            original = out
+        else:
+            original = result.view(data.dtype) if data.dtype != result.dtype else result
         c = _Collective(
             step,
             bucket,

@@ -198,6 +198,7 @@ class Engine:
         layer_position: float = 0.5,
         dtype: int | None = None,
         servers: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
     ) -> concurrent.futures.Future[Result]:
         """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
 
@@ -206,6 +207,7 @@ class Engine:
         is done. Errors (a bad bucket, a late peer, a closed engine) fail the Future.
         ``servers`` (ranks) makes it a parameter-server push/pull instead of the transpose
         all-reduce (see :meth:`TransposeAllReduce.start`); every rank passes the same list.
+        ``out`` receives the result (it may be ``data``: in place, like ``dist.all_reduce``).
         """
         fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
         with self._lock:
@@ -217,7 +219,7 @@ class Engine:
                 )
                 return fut
             loop.call_soon_threadsafe(
-                self._start, fut, step, bucket, data, layer_position, dtype, servers
+                self._start, fut, step, bucket, data, layer_position, dtype, servers, out
             )
         return fut
 
@@ -290,13 +292,16 @@ class Engine:
         layer_position: float,
         dtype: int | None,
         servers: Sequence[int] | None,
+        out: np.ndarray | None,
     ) -> None:
         if self._closed:
             fut.set_exception(TransferFailed(f"engine closed: step {step} bucket {bucket}"))
             return
         now = time.monotonic()
         pending = self._pending
-        if pending.start(self._core, fut, step, bucket, data, layer_position, dtype, now, servers):
+        if pending.start(
+            self._core, fut, step, bucket, data, layer_position, dtype, now, servers, out
+        ):
             self._service()
 
     def _on_datagram(self, nbytes: int, path: int) -> None:

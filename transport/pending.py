@@ -54,6 +54,7 @@ class PendingCollectives:
         dtype: int | None,
         now: float,
         servers: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
     ) -> bool:
         """Start one collective for ``fut``; a bad request fails its own Future, never the loop.
 
@@ -70,7 +71,9 @@ class PendingCollectives:
                 return False
             self._futures[key] = fut
         try:
-            core.start(step, bucket, data, layer_position, now, dtype=dtype, servers=servers)
+            core.start(
+                step, bucket, data, layer_position, now, dtype=dtype, servers=servers, out=out
+            )
         except (ValueError, TypeError, GradlaneError) as exc:
             with self._lock:
                 self._futures.pop(key, None)

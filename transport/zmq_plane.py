@@ -111,6 +111,7 @@ class _Job:
     dtype: int | None
     future: Future[CollectiveResult]
     servers: tuple[int, ...] | None = None
+    out: np.ndarray | None = None
 
 
 class ZmqDataPlane:
@@ -252,9 +253,11 @@ class ZmqDataPlane:
         layer_position: float = 0.5,
         dtype: int | None = None,
         servers: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
     ) -> Future[CollectiveResult]:
         """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``);
-        ``servers`` makes it a parameter-server push/pull (as :meth:`Engine.submit`).
+        ``servers`` makes it a parameter-server push/pull and ``out`` receives the result (both as
+        :meth:`Engine.submit`).
 
         Thread-safe. The Future resolves to ``(sum over ranks, CollectiveReport)`` or fails with
         the collective's error (:class:`TransferFailed` if the plane closes first). ``data`` must
@@ -272,7 +275,7 @@ class ZmqDataPlane:
                 )
                 return fut
             srv = None if servers is None else tuple(servers)
-            self._inbox.put(_Job(step, bucket, data, layer_position, dtype, fut, srv))
+            self._inbox.put(_Job(step, bucket, data, layer_position, dtype, fut, srv, out))
         self._wake()
         return fut
 
@@ -396,6 +399,7 @@ class _Loop:
                 job.dtype,
                 now,
                 job.servers,
+                job.out,
             )
             if started:
                 # world == 1 completes inside start(); deliver it now rather than at the next wake.

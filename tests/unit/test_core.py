@@ -551,3 +551,32 @@ def test_buffers_are_released_at_completion_despite_lazy_packing(monkeypatch):
     wire.run(lambda: finished(1))
     (res1,) = [e.result for r, _, e in wire.events if r == 1]
     np.testing.assert_allclose(res1, expect, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("world", [2, 3])
+def test_in_place_result_is_exact(world, dtype, rotate):
+    """``out=data``: the sum lands in the caller's buffer, as dist.all_reduce does, even over a
+    lossy, reordering wire (retransmissions must not read already-overwritten shards)."""
+    eps = make(world, rotate=rotate, rotate_block=64)
+    rng = np.random.default_rng(world)
+    datas = [rng.standard_normal(5003).astype(dtype) for _ in range(world)]
+    expect = np.sum([d.astype(np.float64) for d in datas], axis=0)
+    bufs = [d.copy() for d in datas]
+    wire = Wire(eps, jitter=2e-4, seed=7, drop=lambda src, dg, q: q % 7 == 3)
+    for r, ep in enumerate(eps):
+        ep.start(1, 0, bufs[r], layer_position=0.5, now=0.0, out=bufs[r])
+    wire.run(lambda: sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == world)
+    tol = 1e-4 if dtype == np.float32 else 5e-3 * world
+    for r, _, e in wire.events:
+        assert e.result is bufs[r]
+        np.testing.assert_allclose(bufs[r].astype(np.float64), expect, rtol=tol, atol=tol)
+
+
+def test_out_buffer_is_validated():
+    ep = make(2)[0]
+    x = np.ones(8, np.float32)
+    for bad in (np.ones(9, np.float32), np.ones(8, np.float16), np.ones(16, np.float32)[::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            ep.start(1, 0, x, 0.5, 0.0, out=bad)
