@@ -177,20 +177,34 @@ class LossPolicy:
         # NaN until the first clean completion.
         self._srtt = np.full(2, np.nan)
         self._rttvar = np.full(2, np.nan)
+        # Per phase: smoothed size (elements) of the transfers those durations come from.
+        self._mean_elems = np.full(2, np.nan)
 
     # -- soft deadline ----------------------------------------------------------------------------
 
-    def soft_deadline(self, gather: bool) -> float:
-        """Soft deadline of a phase in seconds after a transfer's start."""
+    def soft_deadline(self, gather: bool, elems: int | None = None) -> float:
+        """Soft deadline of a phase in seconds after a transfer's start.
+
+        ``elems``, the size of the transfer asking, scales the learned deadline up when it is
+        larger than the transfers it was learned from (a 100 MB bucket takes longer than the
+        25 MB ones before it, and NACKing it early only resends what is still queued); never
+        down, since small transfers are bound by latency, not size.
+        """
         cfg = self.config
         p = int(gather)
         if math.isnan(self._srtt[p]):
             return cfg.soft_deadline_max_s
         value = float(self._srtt[p] + cfg.soft_deadline_k * self._rttvar[p])
+        mean = self._mean_elems[p]
+        if elems is not None and mean > 0.0:
+            value *= max(1.0, elems / mean)
         return min(cfg.soft_deadline_max_s, max(cfg.soft_deadline_min_s, value))
 
-    def record(self, *, gather: bool, duration: float, clean: bool) -> None:
-        """Feed one completed transfer's duration; only clean completions count.
+    def record(
+        self, *, gather: bool, duration: float, clean: bool, elems: int | None = None
+    ) -> None:
+        """Feed one completed transfer's duration (and size, in elements); only clean
+        completions count.
 
         A completion is *clean* when it ended because its data arrived (or its senders declared
         the rest given up within the bound), not because a deadline fired: with a loss bound,
@@ -202,6 +216,13 @@ class LossPolicy:
             return
         cfg = self.config
         p = int(gather)
+        if elems is not None and elems > 0:
+            mean = self._mean_elems[p]
+            self._mean_elems[p] = (
+                elems
+                if math.isnan(mean)
+                else (1.0 - cfg.ewma_alpha) * mean + cfg.ewma_alpha * elems
+            )
         if math.isnan(self._srtt[p]):
             self._srtt[p] = duration
             self._rttvar[p] = duration / 2.0
@@ -267,7 +288,7 @@ class LossPolicy:
             return verdict(Decision.COMPLETE, done_need, math.inf)
 
         elapsed = now - started
-        soft = self.soft_deadline(gather)
+        soft = self.soft_deadline(gather, int(f.expected_elems.sum()))
         if elapsed < soft:
             return verdict(Decision.CONTINUE, f.need(f.missing), started + soft)
 

@@ -89,6 +89,7 @@ class InTransfer:
         rows = np.array([s - spec.src_lo for s in senders], dtype=np.int64)
         self.rows = rows
         self.expected = n * len(senders)
+        self.elems = spec.n_elems * len(senders)  # elements expected over all senders
         self.got = int(received[rows].sum()) if n else 0
         self.protected = np.zeros((n_src, n), dtype=bool)
         self.manifest_known = np.zeros(n_src, dtype=bool)
@@ -379,7 +380,7 @@ class ReceiverCore:
         The soft deadline adapts (it may move later after a NACK went out): re-check at the later
         of it and the NACK repeat, never in the past of both; the hard deadline caps it.
         """
-        soft = t.started + self.loss.soft_deadline(t.gather)
+        soft = t.started + self.loss.soft_deadline(t.gather, t.elems)
         hard = t.started + self.config.loss.hard_deadline_s
         t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval(t)))
 
@@ -452,7 +453,7 @@ class ReceiverCore:
             )
             self._finish(t, now)
             self.emit(PeerTimedOut(err, t.key.step, t.key.bucket))
-        elif now >= t.started + self.loss.soft_deadline(gather):
+        elif now >= t.started + self.loss.soft_deadline(gather, t.elems):
             self._nack(t, verdict.need, now)
 
     def _nack(self, t: InTransfer, need: np.ndarray, now: float) -> None:
@@ -505,7 +506,9 @@ class ReceiverCore:
             rejected=t.rejected,
             protected_missing=int(((t.received[t.rows] == 0) & t.protected[t.rows]).sum()),
         )
-        self.loss.record(gather=t.gather, duration=report.duration, clean=clean)
+        self.loss.record(
+            gather=t.gather, duration=report.duration, clean=clean, elems=report.expected_elems
+        )
         soft = (self.loss.soft_deadline(False), self.loss.soft_deadline(True))
         if any(abs(a - b) > 0.05 * b for a, b in zip(soft, self._soft_seen, strict=True)):
             # The adaptive soft deadline moved noticeably: re-derive every transfer's check

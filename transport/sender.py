@@ -16,7 +16,7 @@ state      meaning
 =========  ================================================================================
 PENDING    never sent
 INFLIGHT   sent, not acknowledged
-LOST       declared lost (RACK on the same path or RTO) and queued for retransmission
+LOST       declared lost (RACK on the same path and class, RTO, or a NACK) and queued to resend
 ACKED      the receiver has it
 ABANDONED  skipped on purpose (droppable and late) or a tolerated loss, within the budget
 =========  ================================================================================
@@ -377,10 +377,14 @@ class SenderCore:
             self.pacers[(peer, q)].controller.on_ack(
                 now=now, acked_bytes=int(sizes[sel].sum()), rtt=clean if q == trig_path else None
             )
-        # RACK: on each path, chunks sent well before the newest acknowledged one are lost.
-        newest = np.full(self._n_paths, -np.inf)
-        np.maximum.at(newest, paths, t.sent_at[idx])
-        limit = newest[t.path] - self.config.reorder_window_s
+        # RACK: on each path, chunks sent well before the newest acknowledged one are lost;
+        # per priority class too, since classes are separate queues (our per-TOS sockets, the
+        # network's priority queues) that legitimately overtake one another.
+        n_cls = len(self._tos)
+        lane = t.path.astype(np.int64) * n_cls + t.prio
+        newest = np.full(self._n_paths * n_cls, -np.inf)
+        np.maximum.at(newest, lane[idx], t.sent_at[idx])
+        limit = newest[lane] - self.config.reorder_window_s
         lost = np.flatnonzero((t.state == INFLIGHT) & (t.sent_at < limit))
         if lost.size:
             self._declare_lost(t, lost, now)
@@ -398,6 +402,12 @@ class SenderCore:
         if base >= end:
             return
         idx = np.flatnonzero(bits[: end - base]) + base
+        # A chunk sent less than a smoothed RTT ago may simply not have arrived yet (it was
+        # sent after the NACK was): resending it now would only make a duplicate.
+        ps = self.paths[key.dst]
+        srtt = np.array([ps.rtt_estimate(q) for q in range(self._n_paths)])
+        young = now - t.sent_at[idx] < np.nan_to_num(srtt, nan=0.0)[t.path[idx]]
+        idx = idx[~((t.state[idx] == INFLIGHT) & young)]
         st = t.state[idx]
         want = idx[(st == INFLIGHT) | (st == ABANDONED)]
         t.n_inflight -= int(np.count_nonzero(st == INFLIGHT))
@@ -707,7 +717,9 @@ class SenderCore:
         drop = t.droppable[fresh]
         if not drop.any():
             return fresh
-        deadline = t.started + self.loss.soft_deadline(t.gather)
+        # The receiver's deadline is for everything it expects: this shard from each sender.
+        senders = 1 if t.gather else self.world - 1
+        deadline = t.started + self.loss.soft_deadline(t.gather, t.n_elems * senders)
         rate = sum(self.pacers[(t.key.dst, q)].controller.rate_Bps for q in self._usable(t.key.dst))
         remaining = float(t.lengths[t.order[t.cursor :]].sum())
         if now + remaining / max(rate, 1.0) <= deadline:

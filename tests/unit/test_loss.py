@@ -442,3 +442,16 @@ def test_decide_properties(
                 still = ~recovered[src]
                 still[optional[-1]] = True
                 assert e[still].sum() / e.sum() > phase_bound
+
+
+def test_soft_deadline_scales_up_with_transfer_size_never_down():
+    p = LossPolicy(LossConfig(soft_deadline_min_s=0.001, soft_deadline_max_s=1.0))
+    for _ in range(50):
+        p.record(gather=False, duration=0.01, clean=True, elems=1000)
+    base = p.soft_deadline(False)
+    assert base == pytest.approx(0.01, rel=1e-2)
+    assert p.soft_deadline(False, 1000) == pytest.approx(base)
+    assert p.soft_deadline(False, 4000) == pytest.approx(4 * base)  # 4x the data, 4x the time
+    assert p.soft_deadline(False, 10) == pytest.approx(base)  # small ones: latency-bound
+    assert p.soft_deadline(False, 10**9) == 1.0  # still clamped
+    assert p.soft_deadline(True, 4000) == 1.0  # the gather phase has no history yet
