@@ -65,7 +65,11 @@ class LossConfig:
             gathered chunk that never comes leaves a stale value rather than an unbiased one.
         soft_deadline_min_s: lower clamp of the adaptive soft deadline (seconds).
         soft_deadline_max_s: upper clamp; also the soft deadline before any history.
-        soft_deadline_k: weight of the deviation term (RFC 6298 uses 4).
+        soft_deadline_k: weight of the deviation term. 1 aims at a typical completion, not a
+            worst case: the deadline exists to cut stragglers. (RFC 6298 uses 4 for a timeout
+            that must not fire early; here a generous deadline feeds on itself — a later
+            deadline lets senders skip fewer late droppable chunks, steps take longer, and the
+            learned deadline grows — which doubled the simulator's p99 over 20 steps.)
         ewma_alpha: weight of a new sample in the duration EWMA (RFC 6298: 1/8).
         ewma_beta: weight of a new sample in the deviation EWMA (RFC 6298: 1/4).
         hard_deadline_s: after this long a transfer completes degraded or fails.
@@ -79,7 +83,7 @@ class LossConfig:
     gather_loss_bound: float | None = None
     soft_deadline_min_s: float = 0.002
     soft_deadline_max_s: float = 0.5
-    soft_deadline_k: float = 4.0
+    soft_deadline_k: float = 1.0
     ewma_alpha: float = 0.125
     ewma_beta: float = 0.25
     hard_deadline_s: float = 5.0

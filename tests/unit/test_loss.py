@@ -273,8 +273,8 @@ def test_soft_deadline_adapts_and_clamps() -> None:
     p = LossPolicy(cfg)
     assert p.soft_deadline(False) == 0.5
     p.record(gather=False, duration=0.01, clean=True)
-    # First sample: srtt = d, rttvar = d/2 → d + 4·d/2 = 3d.
-    assert p.soft_deadline(False) == pytest.approx(0.03)
+    # First sample: srtt = d, rttvar = d/2 → d + 1·d/2 = 1.5d.
+    assert p.soft_deadline(False) == pytest.approx(0.015)
     for _ in range(200):
         p.record(gather=False, duration=0.01, clean=True)
     assert p.soft_deadline(False) == pytest.approx(0.01, rel=1e-3)
@@ -292,13 +292,13 @@ def test_soft_deadline_ignores_lossy_completions_and_keeps_phases_apart() -> Non
     p.record(gather=False, duration=0.001, clean=False)
     assert p.soft_deadline(False) == 0.5
     p.record(gather=True, duration=0.01, clean=True)
-    assert p.soft_deadline(True) == pytest.approx(0.03)
+    assert p.soft_deadline(True) == pytest.approx(0.015)
     assert p.soft_deadline(False) == 0.5
 
 
 def test_soft_deadline_tracks_variation() -> None:
-    steady = LossPolicy(LossConfig())
-    noisy = LossPolicy(LossConfig())
+    steady = LossPolicy(LossConfig(soft_deadline_k=4.0))
+    noisy = LossPolicy(LossConfig(soft_deadline_k=4.0))
     rng = np.random.default_rng(7)
     for _ in range(100):
         steady.record(gather=False, duration=0.02, clean=True)
