@@ -236,7 +236,7 @@ def test_garbage_and_forged_datagrams_are_counted_not_harmful(cluster: MakeClust
     n_junk = n_forged = 0
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for addr in e0.bound:
-            for size in (1, 7, 47, 48, 100, 1500, 65000):
+            for size in (1, 7, 47, 48, 100, 1500, 65000, 65507):  # the last: over a slot
                 s.sendto(rng.integers(0, 256, size, dtype=np.uint8).tobytes(), addr)
                 n_junk += 1
             for _ in range(3):
@@ -251,6 +251,8 @@ def test_garbage_and_forged_datagrams_are_counted_not_harmful(cluster: MakeClust
     assert rejected.get("bad_tag", 0) - before["rejected"].get("bad_tag", 0) >= n_forged
     assert sum(rejected.values()) - sum(before["rejected"].values()) >= n_junk + n_forged
     assert rejected.get("truncated", 0) >= 4  # 1, 7, 47 bytes and the empty-payload header
+    # Longer than a receive slot (65000-byte chunks): truncated by the socket, counted as such.
+    assert rejected.get("oversized", 0) - before["rejected"].get("oversized", 0) >= 2
 
 
 # -- failures --------------------------------------------------------------------------------------
