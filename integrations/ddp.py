@@ -1,0 +1,653 @@
+"""The PyTorch DDP communication hook over gradlane (ARCHITECTURE §7).
+
+Usage::
+
+    state = GradlaneState.from_env(model=ddp.module)   # after init_process_group
+    ddp.register_comm_hook(state, gradlane_hook)
+    ...                                                 # train as usual
+    state.close()
+
+Theory of operation
+-------------------
+DDP calls the hook on its autograd thread, once per gradient bucket, in ``bucket.index()``
+order, and waits on every returned Future at the end of ``backward()`` — forever: it has no
+timeout. So the hook only *enqueues*: it divides the bucket by the world size (before the sum,
+as DDP's own hook does, so float16 does not overflow), hands a zero-copy NumPy view of it to the
+data plane (the UDP :class:`~transport.engine.Engine` or the ZeroMQ plane) and returns a
+``torch.futures.Future``. The plane's thread completes it: it checks the result's dtype and size
+(DDP would silently accept a wrong one), copies it into ``bucket.buffer()`` and sets the Future.
+Nothing in the hook blocks and nothing raises: any error — a late peer (``PeerTimeout``), a
+closed engine, an unsupported dtype — fails the Future with a :class:`HookError` naming this
+rank, the step and the bucket, and because the hook returns ``fut.then(lambda f: f.wait())``
+the message reaches the ``RuntimeError`` that ``backward()`` raises (a bare failed Future would
+lose it).
+
+Transfers are keyed by (generation, step, bucket index). ``step`` counts the synchronised
+backward passes of this state (it advances on ``bucket.is_last()``; ``no_sync()`` passes never
+reach the hook, so every rank counts the same) and never goes back, so it alone names the
+transfer on the wire. ``generation`` counts bucket layouts: DDP starts with one whole-model
+bucket and rebuilds its buckets after the first backward (the second with ``static_graph``),
+in reverse order and with new storage; the hook notices a bucket index whose size, dtype or
+parameters changed, starts a new generation and recomputes what it caches per bucket (layer
+position, staging buffer). Under ``join()`` ranks that ran out of data call the hook with zero
+buckets, so they keep counting the same steps as the others.
+
+GPU buckets go through a pinned host buffer per bucket: a non-blocking device-to-host copy and
+a CUDA event on the current stream, a staging thread that waits for the event (never the
+autograd thread) and submits, and, on completion, a non-blocking host-to-device copy on a side
+stream; the Future is created with the bucket's device, so DDP's wait orders its stream after
+that copy. The next step reuses the pinned buffer only after DDP has waited on this Future.
+
+One state serves one DDP instance. Per-step statistics (:class:`StepStats`) are kept by the
+state (:meth:`GradlaneState.stats`) and logged every ``log_every`` steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from integrations.buckets import BucketLayout, ParamOrder, numpy_view
+from integrations.rendezvous import DEFAULT_TIMEOUT_S, StoreRendezvous, local_hosts
+from scheduling.errors import ConfigError, GradlaneError
+from transport.config import TransportConfig
+from transport.engine import Engine
+from transport.events import CollectiveReport
+from transport.rendezvous import Rendezvous
+from transport.zmq_plane import ZmqDataPlane, zmq_config
+
+__all__ = [
+    "HOOK_ENV_PREFIX",
+    "GradlaneState",
+    "HookConfig",
+    "HookError",
+    "StepStats",
+    "gradlane_hook",
+]
+
+log = logging.getLogger(__name__)
+
+#: Environment variables of :class:`HookConfig` (``GRADLANE_HOOK__TRANSPORT=zmq``); every other
+#: ``GRADLANE_*`` variable is a :class:`~transport.config.TransportConfig` setting.
+HOOK_ENV_PREFIX = "GRADLANE_HOOK__"
+_TRANSPORTS = ("udp", "zmq")
+
+
+class HookError(GradlaneError):
+    """A bucket was not all-reduced; the message names the rank, step and bucket."""
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """Knobs of the DDP hook itself (the transport's are in ``TransportConfig``).
+
+    Environment: ``GRADLANE_HOOK__<FIELD>``, e.g. ``GRADLANE_HOOK__TRANSPORT=zmq``,
+    ``GRADLANE_HOOK__HOSTS=10.0.0.1,10.0.1.1``, ``GRADLANE_HOOK__LOG_EVERY=50``.
+    """
+
+    transport: str = "udp"
+    """``udp``: the UDP engine (priorities, bounded loss, multipath); ``zmq``: the reliable
+    ZeroMQ data plane (TCP)."""
+    hosts: tuple[str, ...] = ()
+    """This rank's local address per path; empty: 127.0.0.1, 127.0.0.2, ... on loopback, else
+    the address that routes to ``MASTER_ADDR`` (one path)."""
+    log_every: int = 100
+    """Log one line of statistics every this many steps (INFO, logger ``integrations.ddp``);
+    0 = never."""
+    history: int = 10_000
+    """Per-step statistics kept (the oldest are dropped; totals keep counting)."""
+    rendezvous_timeout_s: float = DEFAULT_TIMEOUT_S
+    """How long to wait for the store and for every peer's addresses."""
+    name: str = "default"
+    """Names this job's gradlane states in the rendezvous store (with a per-process serial)."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in _TRANSPORTS:
+            raise ConfigError(
+                f"transport={self.transport!r}: one of {', '.join(_TRANSPORTS)} "
+                "(GRADLANE_HOOK__TRANSPORT)"
+            )
+        if self.log_every < 0 or self.history < 1:
+            raise ConfigError("log_every must be >= 0 (0 = never) and history >= 1")
+        if self.rendezvous_timeout_s <= 0:
+            raise ConfigError(f"rendezvous_timeout_s={self.rendezvous_timeout_s}: must be > 0")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name={self.name!r}: a non-empty name without '/'")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> HookConfig:
+        """Build from ``GRADLANE_HOOK__*`` variables; unknown ones are an error naming them."""
+        env = os.environ if environ is None else environ
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for var, raw in env.items():
+            if not var.startswith(HOOK_ENV_PREFIX):
+                continue
+            name = var[len(HOOK_ENV_PREFIX) :].lower()
+            kind = kinds.get(name)
+            if kind is None:
+                raise ConfigError(f"unknown setting {var}; valid: {sorted(kinds)}")
+            try:
+                if "tuple" in str(kind):
+                    kwargs[name] = tuple(h.strip() for h in raw.split(",") if h.strip())
+                elif "int" in str(kind):
+                    kwargs[name] = int(raw)
+                elif "float" in str(kind):
+                    kwargs[name] = float(raw)
+                else:
+                    kwargs[name] = raw.strip()
+            except ValueError:
+                raise ConfigError(f"{var}={raw!r}: expected {kind}") from None
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step's all-reduces did at this rank."""
+
+    step: int
+    generation: int
+    buckets: int
+    bytes: int
+    comm_s: float
+    """From the first bucket handed to the hook to the last one all-reduced."""
+    delivered_fraction: float
+    """The smallest delivered fraction over the step's buckets (1.0 = nothing lost)."""
+    degraded_buckets: int
+    retransmitted: int
+    """Chunks this rank's sender retransmitted for the step."""
+    failed_buckets: int
+
+
+@dataclass
+class _OpenStep:
+    generation: int
+    first_ready: float
+    submitted: int = 0
+    expected: int | None = None
+    done: int = 0
+    bytes: int = 0
+    last_done: float = 0.0
+    delivered: float = 1.0
+    degraded: int = 0
+    retransmitted: int = 0
+    failed: int = 0
+
+
+@dataclass(frozen=True)
+class _Key:
+    generation: int
+    step: int
+    bucket: int
+
+    def __str__(self) -> str:
+        return f"step {self.step} bucket {self.bucket} (layout generation {self.generation})"
+
+
+class Plane(Protocol):
+    """What the hook needs from a data plane (the UDP engine and the ZeroMQ plane offer it)."""
+
+    def submit(
+        self,
+        step: int,
+        bucket: int,
+        data: np.ndarray,
+        layer_position: float = 0.5,
+        dtype: int | None = None,
+    ) -> concurrent.futures.Future[tuple[np.ndarray, CollectiveReport]]:
+        """All-reduce ``data`` (sum over ranks)."""
+
+    def stats(self) -> dict[str, Any]:
+        """The plane's counters."""
+
+    def close(self) -> None:
+        """Fail in-flight work and release sockets and threads."""
+
+
+_serials: dict[str, itertools.count[int]] = {}
+_serials_lock = threading.Lock()
+
+
+def _next_serial(name: str) -> int:
+    with _serials_lock:
+        return next(_serials.setdefault(name, itertools.count()))
+
+
+class GradlaneState:
+    """State of :func:`gradlane_hook`: configuration, the data plane, steps, statistics.
+
+    Creating it starts the data plane and exchanges addresses with every other rank (all
+    ranks create their states together, in the same order). ``transport`` defaults to
+    ``TransportConfig()`` (``zmq_config()`` for ``transport="zmq"``); ``rank``/``world``
+    default to the process group's; ``rendezvous`` defaults to the job's TCPStore
+    (:meth:`StoreRendezvous.from_env`); ``model`` (the module DDP wraps) gives the exact layer
+    order, which is otherwise learned from the first bucket. ``plane`` injects a started data
+    plane instead (tests). :meth:`from_env` builds everything from ``GRADLANE_*`` variables.
+    """
+
+    def __init__(
+        self,
+        transport: TransportConfig | None = None,
+        config: HookConfig | None = None,
+        *,
+        rank: int | None = None,
+        world: int | None = None,
+        rendezvous: Rendezvous | None = None,
+        model: torch.nn.Module | None = None,
+        plane: Plane | None = None,
+    ) -> None:
+        # -- who and how
+        self.config = hook = config or HookConfig()
+        self.rank, self.world = _rank_and_world(rank, world)
+        if transport is None:
+            transport = zmq_config() if hook.transport == "zmq" else TransportConfig()
+        self.transport = transport
+        if hook.transport == "zmq" and transport.inject_loss:
+            raise ConfigError("inject_loss applies to the UDP engine only (ZeroMQ is reliable)")
+        # -- transfer keys: (generation, step, bucket index); see the module docstring
+        self.generation = 0
+        self.step = 0
+        self._order = ParamOrder(model.parameters() if model is not None else None)
+        self._layouts: dict[int, BucketLayout] = {}
+        # -- statistics, written from the plane's thread
+        self._lock = threading.Lock()
+        self._open: dict[int, _OpenStep] = {}
+        self._history: deque[StepStats] = deque(maxlen=hook.history)
+        self._totals = {"steps": 0, "buckets": 0, "bytes": 0, "failed_buckets": 0,
+                        "degraded_buckets": 0, "retransmitted": 0}  # fmt: skip
+        # -- GPU staging (created on the first CUDA bucket)
+        self._stager: concurrent.futures.ThreadPoolExecutor | None = None
+        self._h2d_streams: dict[torch.device, Any] = {}
+        # -- the data plane
+        self._closed = False
+        self.plane: Plane = plane if plane is not None else self._start_plane(rendezvous)
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        rank: int | None = None,
+        world: int | None = None,
+        rendezvous: Rendezvous | None = None,
+        model: torch.nn.Module | None = None,
+        **transport_overrides: Any,
+    ) -> GradlaneState:
+        """Configuration from ``GRADLANE_*`` variables (``GRADLANE_HOOK__*`` for the hook's
+        own, the rest for the transport, e.g. ``GRADLANE_LOSS__LOSS_BOUND=0.02``);
+        ``transport_overrides`` win over the environment."""
+        env = dict(os.environ if environ is None else environ)
+        hook = HookConfig.from_env(env)
+        tenv = {k: v for k, v in env.items() if not k.startswith(HOOK_ENV_PREFIX)}
+        transport = TransportConfig.from_env(tenv, **transport_overrides)
+        if hook.transport == "zmq":
+            transport = _overlay(zmq_config(), transport, TransportConfig())
+        return cls(transport, hook, rank=rank, world=world, rendezvous=rendezvous, model=model)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _start_plane(self, rendezvous: Rendezvous | None) -> Plane:
+        hook, cfg = self.config, self.transport
+        hosts = list(hook.hosts) or local_hosts(cfg.n_paths, os.environ.get("MASTER_ADDR"))
+        if len(hosts) != cfg.n_paths:
+            raise ConfigError(f"{len(hosts)} host(s) {hosts} for n_paths={cfg.n_paths}")
+        rdv = rendezvous
+        if rdv is None:
+            rdv = StoreRendezvous.from_env(timeout_s=hook.rendezvous_timeout_s)
+        if isinstance(rdv, StoreRendezvous):
+            rdv = rdv.channel(f"{hook.name}.{_next_serial(hook.name)}.{hook.transport}")
+        if hook.transport == "udp":
+            engine = Engine(self.rank, self.world, cfg, rendezvous=rdv, local_addrs=hosts)
+            engine.start()  # publishes, then looks every peer up (bounded by the timeout)
+            return engine
+        mine = [(h, _free_tcp_port(h)) for h in hosts]
+        rdv.publish(self.rank, mine)
+        endpoints = [[_tcp(h, p) for h, p in rdv.addresses(r)] for r in range(self.world)]
+        return ZmqDataPlane(self.rank, self.world, cfg, endpoints).start()
+
+    def close(self) -> None:
+        """Stop the data plane (in-flight buckets fail); later buckets fail with a clear error."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.plane.close()
+        finally:
+            if self._stager is not None:
+                self._stager.shutdown(wait=True)
+
+    def __enter__(self) -> GradlaneState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the hook --------------------------------------------------------------------------------
+    def all_reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Enqueue one bucket; the Future resolves to ``bucket.buffer()`` holding the mean."""
+        ready = time.monotonic()
+        buf = bucket.buffer()
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+            devices=[buf.device] if buf.is_cuda else None
+        )
+        key = _Key(self.generation, self.step, -1)
+        try:
+            index = bucket.index()
+            key = _Key(self.generation, self.step, index)
+            if bucket.is_last():
+                self.step += 1  # before anything can fail: every rank keeps counting the same
+            self._note_start(key, buf.numel() * buf.element_size(), ready, bucket.is_last())
+            try:
+                layout = self._layout(index, buf, bucket.parameters())
+                key = _Key(self.generation, key.step, index)
+                if self._closed:
+                    raise HookError(
+                        f"the gradlane {self.config.transport} data plane of rank {self.rank} "
+                        "is closed (GradlaneState.close() was called): create a new "
+                        "GradlaneState and register it to keep training"
+                    )
+                buf.div_(self.world)
+                if buf.is_cuda:
+                    self._submit_cuda(key, layout, buf, fut)
+                else:
+                    self._submit_cpu(key, layout, buf, fut)
+            except Exception as e:
+                self._complete(key, fut, error=e)
+        except Exception as e:  # never raise into DDP: that would break it for good
+            if not fut.done():
+                _fail(fut, self._error(key, e))
+        return fut.then(_wait)
+
+    def _layout(self, index: int, buf: torch.Tensor, params: list[torch.Tensor]) -> BucketLayout:
+        lay = self._layouts.get(index)
+        if lay is not None and lay.matches(buf, params):
+            return lay
+        if lay is not None:  # this index now holds other parameters: DDP rebuilt its buckets
+            self.generation += 1
+            self._layouts.clear()
+            log.debug("rank %d: bucket layout generation %d", self.rank, self.generation)
+        lay = self._layouts[index] = BucketLayout.of(index, buf, params, self._order)
+        return lay
+
+    def _submit_cpu(
+        self,
+        key: _Key,
+        layout: BucketLayout,
+        buf: torch.Tensor,
+        fut: torch.futures.Future[torch.Tensor],
+    ) -> None:
+        data = numpy_view(buf)  # the plane reads it on its thread; DDP waits before touching it
+        cf = self.plane.submit(key.step, key.bucket, data, layout.position, layout.wire)
+        cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, None))
+
+    def _submit_cuda(
+        self,
+        key: _Key,
+        layout: BucketLayout,
+        buf: torch.Tensor,
+        fut: torch.futures.Future[torch.Tensor],
+    ) -> None:
+        if layout.staging is None:
+            layout.staging = torch.empty(layout.numel, dtype=layout.dtype, pin_memory=True)
+        host = layout.staging
+        host.copy_(buf, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(buf.device))
+        if self._stager is None:
+            self._stager = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"gradlane-stage-r{self.rank}"
+            )
+        data = numpy_view(host)
+
+        def stage() -> None:  # staging thread: the autograd thread never waits on the GPU
+            try:
+                copied.synchronize()
+                cf = self.plane.submit(key.step, key.bucket, data, layout.position, layout.wire)
+                cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, host))
+            except Exception as e:
+                self._complete(key, fut, error=e)
+
+        self._stager.submit(stage)
+
+    def _on_result(
+        self,
+        cf: concurrent.futures.Future[tuple[np.ndarray, CollectiveReport]],
+        key: _Key,
+        data: np.ndarray,
+        buf: torch.Tensor,
+        fut: torch.futures.Future[torch.Tensor],
+        host: torch.Tensor | None,
+    ) -> None:
+        """On the plane's thread: check the result, write it into the bucket, set the Future."""
+        try:
+            result, report = cf.result()
+            if result.dtype != data.dtype or result.shape != data.shape:
+                raise HookError(
+                    f"the data plane returned {result.dtype}[{result.size}] for a "
+                    f"{data.dtype}[{data.size}] bucket"
+                )
+            np.copyto(data, result)
+            if host is not None:
+                stream = self._h2d_stream(buf.device)
+                with torch.cuda.device(buf.device), torch.cuda.stream(stream):
+                    buf.copy_(host, non_blocking=True)
+                    self._complete(key, fut, report=report, value=buf)
+                return
+        except Exception as e:
+            self._complete(key, fut, error=e)
+            return
+        self._complete(key, fut, report=report, value=buf)
+
+    def _h2d_stream(self, device: torch.device) -> Any:
+        stream = self._h2d_streams.get(device)
+        if stream is None:
+            stream = self._h2d_streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _complete(
+        self,
+        key: _Key,
+        fut: torch.futures.Future[torch.Tensor],
+        *,
+        report: CollectiveReport | None = None,
+        value: torch.Tensor | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        self._note_done(key, report, failed=error is not None)
+        if fut.done():
+            return
+        if error is None:
+            assert value is not None
+            fut.set_result(value)
+        else:
+            _fail(fut, self._error(key, error))
+
+    def _error(self, key: _Key, e: BaseException) -> HookError:
+        if isinstance(e, HookError):
+            text = str(e)
+        else:
+            text = f"{type(e).__name__}: {e}"
+        err = HookError(f"gradlane hook on rank {self.rank}: {key} was not all-reduced: {text}")
+        err.__cause__ = e
+        return err
+
+    # -- statistics ------------------------------------------------------------------------------
+    def _note_start(self, key: _Key, nbytes: int, ready: float, last: bool) -> None:
+        with self._lock:
+            o = self._open.get(key.step)
+            if o is None:
+                o = self._open[key.step] = _OpenStep(key.generation, ready)
+            o.submitted += 1
+            o.bytes += nbytes
+            if last:
+                o.expected = o.submitted
+
+    def _note_done(self, key: _Key, report: CollectiveReport | None, failed: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            o = self._open.get(key.step)
+            if o is None:
+                return
+            o.done += 1
+            o.last_done = max(o.last_done, now)
+            o.generation = key.generation
+            if failed:
+                o.failed += 1
+            if report is not None:
+                o.delivered = min(o.delivered, report.delivered_fraction)
+                o.degraded += int(report.degraded)
+                o.retransmitted += sum(report.sender.retransmitted)
+            if o.expected is None or o.done < o.expected:
+                return
+            del self._open[key.step]
+            st = StepStats(
+                step=key.step,
+                generation=o.generation,
+                buckets=o.done,
+                bytes=o.bytes,
+                comm_s=o.last_done - o.first_ready,
+                delivered_fraction=o.delivered,
+                degraded_buckets=o.degraded,
+                retransmitted=o.retransmitted,
+                failed_buckets=o.failed,
+            )
+            self._history.append(st)
+            t = self._totals
+            t["steps"] += 1
+            t["buckets"] += st.buckets
+            t["bytes"] += st.bytes
+            t["failed_buckets"] += st.failed_buckets
+            t["degraded_buckets"] += st.degraded_buckets
+            t["retransmitted"] += st.retransmitted
+            steps = t["steps"]
+        every = self.config.log_every
+        if every and steps % every == 0:
+            log.info(
+                "rank %d step %d: %d bucket(s), %.1f MB, comm %.2f ms, delivered %.4f, "
+                "%d retransmitted, %d degraded, %d failed",
+                self.rank,
+                st.step,
+                st.buckets,
+                st.bytes / 1e6,
+                st.comm_s * 1e3,
+                st.delivered_fraction,
+                st.retransmitted,
+                st.degraded_buckets,
+                st.failed_buckets,
+            )
+
+    def step_stats(self) -> list[StepStats]:
+        """The kept per-step statistics, oldest first (completed steps only)."""
+        with self._lock:
+            return list(self._history)
+
+    def stats(self, *, plane: bool = False) -> dict[str, Any]:
+        """Totals and summaries of the completed steps; with ``plane``, the plane's counters too
+        (never call that from a Future callback: it waits for the plane's thread)."""
+        with self._lock:
+            hist = list(self._history)
+            out: dict[str, Any] = {
+                "rank": self.rank,
+                "world": self.world,
+                "transport": self.config.transport,
+                "generation": self.generation,
+                "next_step": self.step,
+                **self._totals,
+            }
+        comm = np.array([s.comm_s for s in hist]) if hist else np.zeros(0)
+        delivered = np.array([s.delivered_fraction for s in hist]) if hist else np.ones(1)
+        out["comm_s"] = {
+            "p50": float(np.percentile(comm, 50)) if comm.size else None,
+            "p99": float(np.percentile(comm, 99)) if comm.size else None,
+            "max": float(comm.max()) if comm.size else None,
+        }
+        out["delivered_fraction"] = {"min": float(delivered.min()), "mean": float(delivered.mean())}
+        out["last"] = dataclasses.asdict(hist[-1]) if hist else None
+        if plane:
+            out["plane"] = self.plane.stats()
+        return out
+
+
+def gradlane_hook(
+    state: GradlaneState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: all-reduce ``bucket`` over gradlane (mean over ranks).
+
+    Register with ``ddp.register_comm_hook(state, gradlane_hook)``. Never blocks, never raises;
+    errors reach ``backward()`` naming the rank, step and bucket.
+    """
+    return state.all_reduce(bucket)
+
+
+# DDP compares the hook's annotations with the real objects, and this module's are strings
+# (``from __future__ import annotations``).
+gradlane_hook.__annotations__.update(
+    {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+)
+
+
+def _fail(fut: torch.futures.Future[torch.Tensor], error: BaseException) -> None:
+    fut.set_exception(error)  # type: ignore[arg-type]  # torch's annotation says T
+
+
+def _wait(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    # Returned through ``then`` so that a failure's message survives into backward()'s error.
+    return fut.wait()
+
+
+def _rank_and_world(rank: int | None, world: int | None) -> tuple[int, int]:
+    if rank is None or world is None:
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world = dist.get_world_size() if world is None else world
+        else:
+            try:
+                rank = int(os.environ["RANK"]) if rank is None else rank
+                world = int(os.environ["WORLD_SIZE"]) if world is None else world
+            except (KeyError, ValueError):
+                raise ConfigError(
+                    "cannot tell this rank and the world size: call init_process_group first, "
+                    "set RANK and WORLD_SIZE (torchrun does), or pass rank= and world="
+                ) from None
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is not in a world of {world}")
+    return rank, world
+
+
+def _overlay(base: Any, changed: Any, default: Any) -> Any:
+    """``base`` with every field where ``changed`` differs from ``default`` (nested per field)."""
+    updates: dict[str, Any] = {}
+    for f in dataclasses.fields(base):
+        new, old = getattr(changed, f.name), getattr(default, f.name)
+        if new == old:
+            continue
+        if dataclasses.is_dataclass(new):
+            updates[f.name] = _overlay(getattr(base, f.name), new, old)
+        else:
+            updates[f.name] = new
+    return dataclasses.replace(base, **updates) if updates else base
+
+
+def _free_tcp_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

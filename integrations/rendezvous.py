@@ -1,0 +1,179 @@
+"""Endpoint exchange through torch's TCPStore (ARCHITECTURE §6, §7).
+
+Under ``torchrun`` (or any ``env://`` launch) every rank already knows ``MASTER_ADDR`` and
+``MASTER_PORT``: the TCPStore that ``init_process_group`` uses. :class:`StoreRendezvous` connects
+to that store as one more client and keeps gradlane's keys apart from torch's in a
+:class:`~torch.distributed.PrefixStore`::
+
+    gradlane/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>/<channel>/<rank>
+
+The run id keeps concurrent jobs on one store apart; the restart count keeps an elastic restart
+from reading the addresses its crashed predecessor published. ``channel`` separates the
+gradlane states of one job (each :class:`~integrations.ddp.GradlaneState` takes its own). A job
+under ``torchrun`` therefore needs no gradlane-specific configuration at all.
+
+Every wait has a timeout, and a timeout is a :class:`RendezvousError` that says which rank was
+missing, where it was looked for, and what usually causes it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from collections.abc import Mapping, Sequence
+
+import torch.distributed as dist
+
+from scheduling.errors import ConfigError, GradlaneError
+from transport.rendezvous import Address, Rendezvous
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RendezvousError", "StoreRendezvous", "local_hosts"]
+
+#: How long a rank waits for the store and for each peer's addresses (torch's default, too).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class RendezvousError(GradlaneError):
+    """The store could not be reached, or a rank did not publish its addresses in time."""
+
+
+class StoreRendezvous(Rendezvous):
+    """Per-rank path addresses in a torch.distributed ``Store``, under ``prefix``.
+
+    ``store`` is any torch Store (a ``TCPStore``, the ``HashStore`` of a single-process test).
+    :meth:`addresses` blocks until the rank has published, at most ``timeout_s``.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        prefix: str = "gradlane/",
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        where: str = "the store",
+    ) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"rendezvous timeout_s={timeout_s}: must be > 0 seconds")
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.timeout_s = timeout_s
+        self.where = where
+        self._base = store
+        self._store = dist.PrefixStore(self.prefix.rstrip("/"), store)  # it adds the "/"
+
+    @classmethod
+    def from_env(
+        cls,
+        channel: str = "default",
+        *,
+        environ: Mapping[str, str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> StoreRendezvous:
+        """Connect to the job's TCPStore at ``MASTER_ADDR:MASTER_PORT`` (set by ``torchrun``).
+
+        The prefix is ``gradlane/<TORCHELASTIC_RUN_ID or "none">/<TORCHELASTIC_RESTART_COUNT or
+        0>/<channel>/``. Raises :class:`ConfigError` when the variables are missing and
+        :class:`RendezvousError` when the store cannot be reached within ``timeout_s``.
+        """
+        env = os.environ if environ is None else environ
+        addr, port_text = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        if not addr or not port_text:
+            raise ConfigError(
+                "MASTER_ADDR and MASTER_PORT are not set: launch with torchrun (which sets "
+                "them), set them to the host and port of the job's TCPStore, or pass a "
+                "rendezvous to GradlaneState"
+            )
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise ConfigError(f"MASTER_PORT={port_text!r} is not a port number") from None
+        where = f"the TCPStore at {addr}:{port}"
+        try:
+            store = dist.TCPStore(
+                addr,
+                port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as e:  # DistNetworkError/DistStoreError are RuntimeErrors
+            raise RendezvousError(
+                f"cannot reach {where} within {timeout_s:.0f}s ({e}); is rank 0 (or the "
+                "torchrun agent) running, and are MASTER_ADDR/MASTER_PORT the job's?"
+            ) from e
+        run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefix = f"gradlane/{run_id}/{restart}/{channel}/"
+        return cls(store, prefix, timeout_s=timeout_s, where=where)
+
+    def channel(self, name: str) -> StoreRendezvous:
+        """A rendezvous on the same store under ``<prefix><name>/`` (one per gradlane state)."""
+        return StoreRendezvous(
+            self._base, f"{self.prefix}{name}/", timeout_s=self.timeout_s, where=self.where
+        )
+
+    def publish(self, rank: int, addrs: Sequence[Address]) -> None:
+        """Store ``rank``'s addresses as JSON under ``<prefix><rank>``."""
+        value = [[str(host), int(port)] for host, port in addrs]
+        if not value:
+            raise ConfigError(f"rank {rank}: needs at least one path address")
+        self._store.set(str(rank), json.dumps(value))
+
+    def addresses(self, rank: int) -> list[Address]:
+        """``rank``'s addresses; waits for them at most ``timeout_s``."""
+        key = str(rank)
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=self.timeout_s))
+            raw = self._store.get(key)
+        except (RuntimeError, OSError) as e:
+            raise RendezvousError(
+                f"rank {rank} did not publish its gradlane addresses within "
+                f"{self.timeout_s:.0f}s in {self.where} (key {self.prefix}{key}): every rank "
+                "must create its GradlaneState (same order, same TORCHELASTIC_RUN_ID and "
+                f"restart count); is rank {rank} alive? ({e})"
+            ) from e
+        try:
+            return [(str(h), int(p)) for h, p in json.loads(raw)]
+        except (ValueError, TypeError) as e:
+            raise RendezvousError(
+                f"rank {rank}'s entry {self.prefix}{key} in {self.where} is not a list of "
+                f"[host, port] pairs: {raw[:80]!r}"
+            ) from e
+
+
+def local_hosts(n_paths: int, master_addr: str | None) -> list[str]:
+    """This rank's path addresses when none are configured.
+
+    On loopback (no ``MASTER_ADDR``, or one that resolves to 127.0.0.0/8 or ``::1``): one
+    address per path, 127.0.0.1, 127.0.0.2, ... Otherwise the address of the interface that
+    routes toward ``MASTER_ADDR`` (found with an unconnected UDP ``connect``, no packet sent),
+    which gives one path; more paths need their addresses configured.
+    """
+    if not master_addr or _is_loopback(master_addr):
+        return [f"127.0.0.{1 + p}" for p in range(n_paths)]
+    if n_paths != 1:
+        raise ConfigError(
+            f"n_paths={n_paths} off loopback: give one local address per path "
+            "(GRADLANE_HOOK__HOSTS=10.0.0.1,10.0.1.1 or HookConfig(hosts=...))"
+        )
+    try:
+        info = socket.getaddrinfo(master_addr, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+            s.connect(info[4])
+            return [str(s.getsockname()[0])]
+    except OSError as e:
+        raise ConfigError(
+            f"cannot find the local address that routes to MASTER_ADDR={master_addr} ({e}); "
+            "set GRADLANE_HOOK__HOSTS"
+        ) from e
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return all(str(a).startswith("127.") or a == "::1" for a in addrs)

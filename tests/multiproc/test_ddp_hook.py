@@ -1,0 +1,164 @@
+"""The gradlane DDP hook in real torch.distributed processes (gloo over loopback, spawn).
+
+Each test spawns its ranks (``tests.multiproc.ddp_workers``), reads every result from a queue
+with a timeout, releases ranks that wait, and joins or kills every process in a ``finally``;
+each test also has a pytest timeout. Comparisons are against DDP's default hook in the same
+processes; nothing asserts on timing except that a failure arrives before the queue timeout
+(a hang would be a failure, not a stuck run).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.multiproc import ddp_workers
+
+CTX = mp.get_context("spawn")
+JOIN_S = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Group:
+    """``world`` spawned ranks running one scenario; results by rank."""
+
+    def __init__(self) -> None:
+        self.up: Any = CTX.Queue()
+        self.downs: list[Any] = []
+        self.procs: list[Any] = []
+
+    def start(self, scenario: str, world: int, args: dict) -> None:
+        port = _free_port()
+        for rank in range(world):
+            down = CTX.Queue()
+            self.downs.append(down)
+            p = CTX.Process(
+                target=ddp_workers.rank_main,
+                args=(scenario, rank, world, port, args, self.up, down),
+                name=f"gl-ddp-{scenario}-r{rank}",
+                daemon=True,
+            )
+            p.start()
+            self.procs.append(p)
+
+    def results(self, n: int | None = None) -> dict[int, Any]:
+        """The payloads of ``n`` ranks (default: all); a rank's error fails the test."""
+        n = len(self.procs) if n is None else n
+        out: dict[int, Any] = {}
+        while len(out) < n:
+            status, rank, payload = self.up.get(timeout=ddp_workers.WAIT_S)
+            if status != "ok":
+                pytest.fail(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+        return out
+
+    def release(self) -> None:
+        for down in self.downs:
+            down.put("go")
+
+    def close(self) -> None:
+        self.release()
+        for p in self.procs:
+            p.join(JOIN_S)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(JOIN_S)
+        self.up.close()
+        for q in self.downs:
+            q.close()
+
+
+@pytest.fixture
+def group() -> Iterator[Group]:
+    g = Group()
+    try:
+        yield g
+    finally:
+        g.close()
+    codes = {p.name: p.exitcode for p in g.procs}
+    assert all(c == 0 for c in codes.values()), f"rank processes exited abnormally: {codes}"
+
+
+#: Largest gap between the two hooks' gradients, relative to the largest gradient: float32 sums
+#: differ only in summation order; 16-bit sums round once here (the sum is taken in float32)
+#: and per addition in gloo.
+TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_reliable_hook_equals_default_hook(group: Group, world: int):
+    cases = [(m, "float32", static) for m in ("mlp", "cnn") for static in (False, True)]
+    if world == 2:
+        cases += [("mlp", "float16", False), ("mlp", "bfloat16", False)]
+    steps = 5
+    group.start("equality", world, {"cases": cases, "steps": steps, "seed": 3})
+    for rank, per_case in sorted(group.results().items()):
+        assert [c["case"] for c in per_case] == [tuple(c) for c in cases]
+        for c in per_case:
+            name, dtype, static = c["case"]
+            where = f"rank {rank} {name} {dtype} static_graph={static}"
+            assert len(c["gaps"]) == steps and c["steps"] == steps, where
+            assert max(c["gaps"]) <= TOLERANCE[dtype], f"{where}: gaps {c['gaps']}"
+            assert c["failed"] == 0, where
+            # Across the rebuild: one whole-model bucket first, several afterwards, and the
+            # hook saw the new layout (a new generation).
+            assert c["buckets"][0] == 1, f"{where}: buckets per step {c['buckets']}"
+            assert max(c["buckets"]) > 1, f"{where}: buckets per step {c['buckets']}"
+            assert c["generation"] >= 1, where
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_silent_rank_makes_backward_raise_naming_it(group: Group, world: int):
+    silent, good, hard = world - 1, 3, 2.0
+    args = {"silent": silent, "good_steps": good, "hard_deadline_s": hard, "seed": 5}
+    group.start("silent_rank", world, args)
+    results = group.results(world - 1)  # the silent rank reports after its release
+    group.release()
+    results.update(group.results(1))
+    assert results[silent] == {"silent": True}
+    for rank in range(world - 1):
+        r = results[rank]
+        assert r["raised"], f"rank {rank}: backward() returned although rank {silent} was silent"
+        text = r["message"]
+        # The error itself, not DDP failing to cast a failed Future's value to a Tensor.
+        assert "Unable to cast" not in text, text
+        assert f"HookError: gradlane hook on rank {rank}" in text, text
+        assert f"rank(s) {silent}" in text or f", {silent}" in text, text
+        assert f"did not deliver step {good} bucket" in text, text
+        assert "PeerTimeout" in text, text
+        # It failed at the hard deadline, not at the queue timeout.
+        assert hard <= r["elapsed"] < ddp_workers.WAIT_S / 4, r["elapsed"]
+
+
+@pytest.mark.timeout(300)
+def test_no_sync_accumulates_without_calling_the_hook(group: Group):
+    steps = 3
+    group.start("no_sync", 2, {"steps": steps, "seed": 7})
+    for rank, r in group.results().items():
+        assert max(r["gaps"]) <= 1e-6, f"rank {rank}: {r['gaps']}"
+        # Only the synchronised passes count as steps: every rank keeps the same numbering.
+        assert r["steps"] == steps and r["next_step"] == steps, r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_join_with_uneven_inputs_matches_the_default_hook(group: Group, world: int):
+    base = 3
+    group.start("join", world, {"base": base, "seed": 9})
+    for rank, r in group.results().items():
+        assert r["gap"] <= 1e-5 * max(r["scale"], 1.0), f"rank {rank}: {r}"
+        # A rank that ran out of data keeps calling the hook (with zero buckets) until the
+        # last rank is done, so every rank counts the same steps.
+        assert r["steps"] == base + world - 1, r
