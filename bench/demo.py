@@ -1,11 +1,16 @@
-"""``gradlane demo``: the main job, side by side — the TCP-like baseline against gradlane.
+"""``gradlane demo``: the main job, side by side.
 
-Until the DDP hook exists this runs the all-reduce part of training on the simulated 8-rank
-leaf-spine (the real protocol cores, a simulated clock) with cross traffic on one spine
-link: the same workload and the same cross traffic under the baseline (no priorities, fully
-reliable, one hashed path per rank pair) and under gradlane (priorities by layer and magnitude,
-a 2% loss bound, per-packet multipath). It prints per-step communication times, the delivered
-fraction and the error of the reduced gradients against the exact sum.
+Default (``--network loopback``): real DDP training. ``--ranks`` processes on this machine train
+a model on scikit-learn's digits twice — with DDP's default gloo all-reduce hook, then with the
+gradlane hook over UDP (a loss bound, and ``--inject-loss`` of the received datagrams dropped at
+random with a fixed seed, since loopback never loses) — and print a table: test accuracy, step
+and communication time percentiles, delivered fraction, retransmissions
+(:mod:`bench.ddp_demo` does the work).
+
+``--network sim``: the all-reduce part of training on the simulated 8-rank leaf-spine (the real
+protocol cores, a simulated clock) with cross traffic on one spine link: the TCP-like baseline
+(no priorities, fully reliable, one hashed path per rank pair) against gradlane (priorities by
+layer and magnitude, a 2% loss bound, per-packet multipath).
 """
 
 from __future__ import annotations
@@ -14,31 +19,174 @@ import argparse
 import json
 import time
 from dataclasses import replace
+from typing import Any
 
-from bench.netsim_scenarios import CONFIGS, NetSpec, Workload, run_config
-from integrations.cli import emit
+from integrations.cli import emit, progress
 
 __all__ = ["add_arguments", "run"]
+
+#: What the demo trains, in words.
+_MODEL_TEXT = {
+    "mlp": "an MLP (64-256-256-10, 85,002 parameters)",
+    "cnn": "a CNN (2 conv + 2 linear layers, 38,282 parameters)",
+}
+#: Defaults that differ between the networks: (loopback DDP, simulator).
+_DEFAULTS = {"ranks": (4, 8), "steps": (200, 8), "loss_bound": (0.05, 0.02)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``gradlane demo``."""
-    p.add_argument("--ranks", type=int, default=8, help="simulated ranks (default 8)")
-    p.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     p.add_argument(
+        "--network",
+        choices=("loopback", "sim"),
+        default="loopback",
+        help="loopback: real DDP training in processes on this machine (default); "
+        "sim: the all-reduce on the simulated leaf-spine",
+    )
+    p.add_argument("--ranks", type=int, help="ranks (default 4; sim: 8)")
+    p.add_argument("--steps", type=int, help="training steps (default 200; sim: 8)")
+    p.add_argument(
+        "--model", choices=("mlp", "cnn"), default="mlp", help="the digits model (default mlp)"
+    )
+    p.add_argument(
+        "--loss-bound", type=float, help="gradlane's loss bound (default 0.05; sim: 0.02)"
+    )
+    p.add_argument(
+        "--inject-loss",
+        type=float,
+        default=0.05,
+        help="fraction of the datagrams each rank receives that gradlane drops at random, "
+        "seeded (default 0.05; udp only)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("udp", "zmq"),
+        default="udp",
+        help="gradlane's data plane: udp (bounded loss) or zmq (reliable, TCP)",
+    )
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    sim = p.add_argument_group("--network sim only")
+    sim.add_argument(
         "--congest",
         type=float,
         default=0.8,
         help="cross traffic on one spine link, fraction of its rate (default 0.8)",
     )
-    p.add_argument("--loss-bound", type=float, default=0.02, help="gradlane's loss bound")
-    p.add_argument("--bursty", action="store_true", help="on/off bursts of cross traffic")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    sim.add_argument("--bursty", action="store_true", help="on/off bursts of cross traffic")
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    col = 0 if args.network == "loopback" else 1
+    for name, values in _DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[col])
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run both configurations and print the comparison."""
+    """Run the comparison the options ask for and print it."""
+    _resolve(args)
+    if args.network == "sim":
+        return _run_sim(args)
+    return _run_ddp(args)
+
+
+def _run_ddp(args: argparse.Namespace) -> int:
+    from bench.ddp_demo import DemoError, DemoOptions, run_demo
+
+    inject = args.inject_loss if args.transport == "udp" else 0.0
+    bound = args.loss_bound if args.transport == "udp" else 0.0
+    opts = DemoOptions(
+        ranks=args.ranks,
+        steps=args.steps,
+        model=args.model,
+        loss_bound=bound,
+        inject_loss=inject,
+        transport=args.transport,
+        seed=args.seed,
+    )
+    if not 0.0 <= inject < 1.0 or not 0.0 <= bound <= 0.5 or opts.ranks < 2:
+        emit("gradlane demo: needs --ranks >= 2, --inject-loss in [0, 1), --loss-bound in [0, 0.5]")
+        return 2
+    emit(
+        f"gradlane demo: {opts.ranks} ranks train {_MODEL_TEXT[opts.model]} on scikit-learn's "
+        f"digits (1437 train / 360 test images) with DDP over loopback, {opts.steps} steps of "
+        f"{opts.ranks}x{opts.batch} images, twice:"
+    )
+    emit("  gloo      DDP's default all-reduce hook (gloo, TCP, lossless loopback)")
+    if opts.transport == "udp":
+        emit(
+            f"  gradlane  gradlane hook over UDP, 2 paths, loss bound {bound:g}; "
+            f"{inject:.0%} of received datagrams dropped at random (seed {opts.seed})"
+        )
+    else:
+        emit("  gradlane  gradlane hook over ZeroMQ (TCP), reliable")
+    if args.transport == "zmq" and args.inject_loss:
+        emit("  (--inject-loss and --loss-bound apply to udp only: ZeroMQ is reliable)")
+    started: dict[str, float] = {}
+
+    def on_progress(run_name: str, step: int, steps: int) -> None:
+        started.setdefault(run_name, time.perf_counter())
+        width = 30
+        filled = width * step // steps
+        bar = "#" * filled + "-" * (width - filled)
+        done = step == steps
+        took = f"  {time.perf_counter() - started[run_name]:.1f} s" if done else ""
+        progress(f"  [{bar}] {run_name:<8} {step:>4}/{steps}{took}", done=done)
+
+    try:
+        out = run_demo(opts, on_progress)
+    except (DemoError, ValueError) as e:
+        emit(f"gradlane demo failed: {e}", err=True)
+        return 1
+    _table(out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=float)
+    return 0
+
+
+def _table(out: dict[str, Any]) -> None:
+    g, d = out["runs"]["gloo"], out["runs"]["gradlane"]
+    opts = out["options"]
+    line = "{:<32}{:>16}{:>16}"
+    emit("")
+    emit(line.format("", "gloo (default)", f"gradlane {opts['transport']}"))
+    emit(
+        line.format(
+            "final test accuracy (%)", f"{g['accuracy_mean']:.2f}", f"{d['accuracy_mean']:.2f}"
+        )
+    )
+    for label, key in (
+        ("step time p50 (ms)", "step_p50_s"),
+        ("step time p99 (ms)", "step_p99_s"),
+        ("comm time p50 (ms)", "comm_p50_s"),
+        ("comm time p99 (ms)", "comm_p99_s"),
+    ):
+        emit(line.format(label, f"{g[key] * 1e3:.2f}", f"{d[key] * 1e3:.2f}"))
+    emit(
+        line.format(
+            "delivered fraction (mean/min)",
+            "1 (TCP)",
+            f"{d['delivered_fraction_mean']:.4f}/{d['delivered_fraction_min']:.3f}",
+        )
+    )
+    emit(line.format("retransmitted chunks", "n/a", str(d["retransmitted"])))
+    emit(line.format("degraded buckets", "-", str(d["degraded_buckets"])))
+    emit(line.format("datagrams dropped on purpose", "-", str(d["injected_drops"])))
+    w = opts["warmup_steps"]
+    emit("")
+    emit("accuracy: mean over the ranks, on the 360 held-out images")
+    emit(
+        f"times: per step the slowest rank, steps {w + 1}..{opts['steps']} (the first {w} "
+        "rebuild DDP's buckets); comm: first bucket ready to last bucket reduced"
+    )
+    emit(f"retransmissions and drops: all ranks together; {out['wall_s']:.0f} s wall")
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from bench.netsim_scenarios import CONFIGS, NetSpec, Workload, run_config
+
     net = NetSpec(ranks=args.ranks, congest=args.congest, bursty=args.bursty)
     work = Workload()
     base_cfg = CONFIGS[0]

@@ -12,12 +12,16 @@ from collections.abc import Callable, Sequence
 
 from transport import __version__
 
-__all__ = ["emit", "main"]
+__all__ = ["emit", "main", "progress"]
 
 #: name -> (module, one-line help). Each module offers ``add_arguments(parser)`` and ``run(args)``;
 #: imports are lazy so ``gradlane --help`` stays fast and never imports torch or numba.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("bench.demo", "the main job: gradlane vs a TCP-like baseline, side by side"),
+    "demo": (
+        "bench.demo",
+        "the main job: DDP training on this machine, gloo's default hook vs gradlane's, "
+        "side by side (--network sim: the simulated leaf-spine)",
+    ),
     "netsim": ("bench.netsim_scenarios", "all-reduce scenarios on the simulated network"),
 }
 
@@ -27,6 +31,18 @@ def emit(text: str = "", *, err: bool = False) -> None:
     stream = sys.stderr if err else sys.stdout
     stream.write(text + "\n")
     stream.flush()
+
+
+def progress(text: str, *, done: bool = False) -> None:
+    """Redraw one status line on stderr (a progress bar); ``done`` ends it with a newline.
+
+    Off a terminal (logs, CI) only the ``done`` lines are written.
+    """
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + text + "\x1b[K" + ("\n" if done else ""))
+    elif done:
+        sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:

@@ -40,9 +40,10 @@ def test_help_does_not_import_torch_or_numba():
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_demo_runs_and_writes_its_summary(tmp_path, capsys):
+def test_simulated_demo_runs_and_writes_its_summary(tmp_path, capsys):
     path = tmp_path / "demo.json"
-    assert main(["demo", "--ranks", "4", "--steps", "2", "--json", str(path)]) == 0
+    args = ["demo", "--network", "sim", "--ranks", "4", "--steps", "2", "--json", str(path)]
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert "baseline (TCP-like)" in out and "gradlane" in out
     summary = json.loads(path.read_text())["summary"]
