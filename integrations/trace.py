@@ -124,8 +124,10 @@ class TraceRecorder:
             "dtype": str(buf.dtype).removeprefix("torch."),
             "params": len(bucket.parameters()),
             "layer_span": [round(lo, 6), round(hi, 6)],
-            "ready_s": ready - start,
-            "gap_s": ready - (self._prev_ready if self._prev_ready is not None else start),
+            "ready_s": round(ready - start, 7),
+            "gap_s": round(
+                ready - (self._prev_ready if self._prev_ready is not None else start), 7
+            ),
             "comm_s": None,
             "last": last,
         }
@@ -137,7 +139,7 @@ class TraceRecorder:
         inner = self.hook(self.state, bucket)
 
         def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            rec["comm_s"] = time.monotonic() - ready
+            rec["comm_s"] = round(time.monotonic() - ready, 7)
             rec["ok"] = not _failed(fut)
             with self._lock:
                 self._done.append(rec)
