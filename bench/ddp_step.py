@@ -10,7 +10,8 @@ For each rank count the parent spawns one process per rank (gloo group on a TCPS
 the same model (an MLP with 6 × 1024² weights: 25.5 MB of float32 gradients, DDP's default 25 MB
 buckets) once per variant from the same seed: DDP with no hook (its built-in gloo all-reduce),
 and DDP with :func:`~integrations.ddp.gradlane_hook` over a *reliable* data plane (UDP engine,
-loss bound 0, two loopback paths, 65000-byte chunks; and the ZeroMQ plane). After warm-up steps
+loss bound 0, two loopback paths, 65000-byte chunks; and the ZeroMQ plane), plus DDP's no-op
+hook (no communication: the step's compute alone, for headroom). After warm-up steps
 (DDP's bucket rebuild, first allocations), each measured step runs every variant once, the
 order rotating from step to step, each behind a barrier; a rank times forward + backward +
 optimizer step, and the step time is the slowest rank's (a gloo MAX all-reduce of the times).
@@ -38,6 +39,8 @@ from typing import Any
 import numpy as np
 
 VARIANTS = ("default", "udp", "zmq")
+#: Not a transport: DDP's no-op hook (no communication at all), the compute-only headroom.
+NOOP = "noop"
 N_PATHS = 2
 #: Largest parameter gap to the default hook's model that still counts as equal (float32
 #: summation order over a few steps of SGD).
@@ -77,6 +80,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
 def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
     from torch.nn.parallel import DistributedDataParallel
 
     from bench.ddp_models import big_mlp
@@ -85,8 +89,8 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from transport.config import TransportConfig
     from transport.zmq_plane import zmq_config
 
-    variants = ["default", *args["transports"]]
-    models, ddps, opts, states = {}, {}, {}, []
+    variants = ["default", *args["transports"], NOOP]
+    models, ddps, opts, states = {}, {}, {}, {}
     try:
         for v in variants:
             torch.manual_seed(args["seed"])
@@ -102,9 +106,11 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             elif v == "zmq":
                 cfg = zmq_config(n_paths=N_PATHS)
             else:
+                if v == NOOP:
+                    ddps[v].register_comm_hook(None, noop_hook)
                 continue
             state = GradlaneState(cfg, HookConfig(transport=v, log_every=0, name=f"step-{v}"))
-            states.append(state)
+            states[v] = state
             ddps[v].register_comm_hook(state, gradlane_hook)
         grad_bytes = sum(p.numel() * p.element_size() for p in models["default"].parameters())
         times: dict[str, list[float]] = {v: [] for v in variants}
@@ -126,16 +132,18 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                     times[v].append(float(took))
         ref = torch.cat([p.detach().reshape(-1) for p in models["default"].parameters()])
         gaps = {}
-        for v in variants[1:]:
+        for v in args["transports"]:
             flat = torch.cat([p.detach().reshape(-1) for p in models[v].parameters()])
             gap = torch.tensor([float((flat - ref).abs().max())], dtype=torch.float64)
             dist.all_reduce(gap, op=dist.ReduceOp.MAX)
             gaps[v] = float(gap)
+        # The hook's own view: from the first bucket handed over to the last one reduced.
+        comm = {v: st.stats()["comm_s"]["p50"] for v, st in states.items()}
         dist.barrier()  # every rank is past its last step before the engines close
     finally:
-        for state in states:
+        for state in states.values():
             state.close()
-    return {"times": times, "param_gap": gaps, "grad_bytes": grad_bytes}
+    return {"times": times, "param_gap": gaps, "grad_bytes": grad_bytes, "hook_comm_p50_s": comm}
 
 
 # -- parent ----------------------------------------------------------------------------------------
@@ -199,24 +207,32 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     "steps": len(xs),
                     "ratio_to_default": med / base,
                     "param_gap": out["param_gap"].get(v, 0.0),
+                    "hook_comm_p50_s": out["hook_comm_p50_s"].get(v),
                 }
             )
             if v == "udp":
                 summary["step_ratio_vs_default"][str(world)] = med / base
-            elif v != "default":
+            elif v not in ("default", NOOP):
                 summary.setdefault(f"step_ratio_vs_default_{v}", {})[str(world)] = med / base
     return {"rows": rows, "summary": summary}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width text table."""
-    head = f"{'hook':<18}{'ranks':>6}{'median ms':>11}{'p90 ms':>9}{'x default':>11}  param gap"
+    head = (
+        f"{'hook':<18}{'ranks':>6}{'median ms':>11}{'p90 ms':>9}{'x default':>11}"
+        f"{'hook comm ms':>14}  param gap"
+    )
     lines = [head, "-" * len(head)]
-    names = {"default": "default (gloo)", "udp": "gradlane udp", "zmq": "gradlane zmq"}
+    names = {"default": "default (gloo)", "udp": "gradlane udp", "zmq": "gradlane zmq",
+             NOOP: "no-op (no comm)"}  # fmt: skip
     for r in rows:
+        comm = r["hook_comm_p50_s"]
         lines.append(
             f"{names[r['variant']]:<18}{r['ranks']:>6}{r['median_s'] * 1e3:>11.1f}"
-            f"{r['p90_s'] * 1e3:>9.1f}{r['ratio_to_default']:>11.2f}  {r['param_gap']:.1e}"
+            f"{r['p90_s'] * 1e3:>9.1f}{r['ratio_to_default']:>11.2f}"
+            f"{'' if comm is None else f'{comm * 1e3:.1f}':>14}  "
+            f"{'-' if r['variant'] == NOOP else format(r['param_gap'], '.1e')}"
         )
     return "\n".join(lines)
 
