@@ -109,8 +109,10 @@ def _run_ddp(args: argparse.Namespace) -> int:
         emit("gradlane demo: needs --ranks >= 2, --inject-loss in [0, 1), --loss-bound in [0, 0.5]")
         return 2
     emit(
-        f"gradlane demo: {opts.ranks} ranks train {_MODEL_TEXT[opts.model]} on scikit-learn's "
-        f"digits (1437 train / 360 test images) with DDP over loopback, {opts.steps} steps of "
+        f"gradlane demo: {opts.ranks} ranks train {_MODEL_TEXT[opts.model]} with DDP over loopback"
+    )
+    emit(
+        f"on scikit-learn's digits (1437 train / 360 test images), {opts.steps} steps of "
         f"{opts.ranks}x{opts.batch} images, twice:"
     )
     emit("  gloo      DDP's default all-reduce hook (gloo, TCP, lossless loopback)")
@@ -179,8 +181,9 @@ def _table(out: dict[str, Any]) -> None:
     emit("accuracy: mean over the ranks, on the 360 held-out images")
     emit(
         f"times: per step the slowest rank, steps {w + 1}..{opts['steps']} (the first {w} "
-        "rebuild DDP's buckets); comm: first bucket ready to last bucket reduced"
+        "rebuild DDP's buckets);"
     )
+    emit("       comm: from the first bucket ready to the last bucket reduced")
     emit(f"retransmissions and drops: all ranks together; {out['wall_s']:.0f} s wall")
 
 
