@@ -132,27 +132,34 @@ class HookConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HookConfig:
         """Build from ``GRADLANE_HOOK__*`` variables; unknown ones are an error naming them."""
         env = os.environ if environ is None else environ
-        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for var, raw in env.items():
             if not var.startswith(HOOK_ENV_PREFIX):
                 continue
             name = var[len(HOOK_ENV_PREFIX) :].lower()
-            kind = kinds.get(name)
-            if kind is None:
-                raise ConfigError(f"unknown setting {var}; valid: {sorted(kinds)}")
+            parse = _HOOK_ENV_PARSERS.get(name)
+            if parse is None:
+                raise ConfigError(f"unknown setting {var}; valid: {sorted(_HOOK_ENV_PARSERS)}")
             try:
-                if "tuple" in str(kind):
-                    kwargs[name] = tuple(h.strip() for h in raw.split(",") if h.strip())
-                elif "int" in str(kind):
-                    kwargs[name] = int(raw)
-                elif "float" in str(kind):
-                    kwargs[name] = float(raw)
-                else:
-                    kwargs[name] = raw.strip()
+                kwargs[name] = parse(raw)
             except ValueError:
-                raise ConfigError(f"{var}={raw!r}: expected {kind}") from None
+                raise ConfigError(f"{var}={raw!r}: not a valid {name}") from None
         return cls(**kwargs)
+
+
+def _hosts(raw: str) -> tuple[str, ...]:
+    return tuple(h.strip() for h in raw.split(",") if h.strip())
+
+
+#: How each ``GRADLANE_HOOK__<FIELD>`` value is read.
+_HOOK_ENV_PARSERS: dict[str, Any] = {
+    "transport": str.strip,
+    "hosts": _hosts,
+    "log_every": int,
+    "history": int,
+    "rendezvous_timeout_s": float,
+    "name": str.strip,
+}
 
 
 @dataclass(frozen=True)

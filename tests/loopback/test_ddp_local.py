@@ -10,6 +10,7 @@ are the multiproc tier's job.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 from collections.abc import Iterator
@@ -189,6 +190,12 @@ def test_hook_config_from_env():
         }
     )
     assert cfg.transport == "zmq" and cfg.hosts == ("10.0.0.1", "10.0.1.1") and cfg.log_every == 5
+    # Every field can be set from the environment.
+    samples = {"transport": "zmq", "hosts": "h1,h2", "log_every": "5", "history": "7",
+               "rendezvous_timeout_s": "1.5", "name": "job"}  # fmt: skip
+    assert set(samples) == {f.name for f in dataclasses.fields(HookConfig)}
+    every = HookConfig.from_env({f"GRADLANE_HOOK__{k.upper()}": v for k, v in samples.items()})
+    assert every == HookConfig("zmq", ("h1", "h2"), 5, 7, 1.5, "job")
     with pytest.raises(ConfigError, match="GRADLANE_HOOK__NOPE"):
         HookConfig.from_env({"GRADLANE_HOOK__NOPE": "1"})
     with pytest.raises(ConfigError, match="transport="):
