@@ -292,6 +292,7 @@ class GradlaneState:
         world: int | None = None,
         rendezvous: Rendezvous | None = None,
         model: torch.nn.Module | None = None,
+        plane: Plane | None = None,
         **transport_overrides: Any,
     ) -> GradlaneState:
         """Configuration from ``GRADLANE_*`` variables (``GRADLANE_HOOK__*`` for the hook's
@@ -303,7 +304,21 @@ class GradlaneState:
         transport = TransportConfig.from_env(tenv, **transport_overrides)
         if hook.transport == "zmq":
             transport = _overlay(zmq_config(), transport, TransportConfig())
-        return cls(transport, hook, rank=rank, world=world, rendezvous=rendezvous, model=model)
+        if not hook.hosts:  # resolved here, so that ``environ`` is the only source
+            hosts = local_hosts(transport.n_paths, env.get("MASTER_ADDR"))
+            hook = dataclasses.replace(hook, hosts=tuple(hosts))
+        rank, world = _rank_and_world(rank, world, env)
+        if rendezvous is None and plane is None:
+            rendezvous = StoreRendezvous.from_env(environ=env, timeout_s=hook.rendezvous_timeout_s)
+        return cls(
+            transport,
+            hook,
+            rank=rank,
+            world=world,
+            rendezvous=rendezvous,
+            model=model,
+            plane=plane,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _start_plane(self, rendezvous: Rendezvous | None) -> Plane:
@@ -616,15 +631,18 @@ def _wait(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
     return fut.wait()
 
 
-def _rank_and_world(rank: int | None, world: int | None) -> tuple[int, int]:
+def _rank_and_world(
+    rank: int | None, world: int | None, environ: Mapping[str, str] | None = None
+) -> tuple[int, int]:
     if rank is None or world is None:
         if dist.is_available() and dist.is_initialized():
             rank = dist.get_rank() if rank is None else rank
             world = dist.get_world_size() if world is None else world
         else:
+            env = os.environ if environ is None else environ
             try:
-                rank = int(os.environ["RANK"]) if rank is None else rank
-                world = int(os.environ["WORLD_SIZE"]) if world is None else world
+                rank = int(env["RANK"]) if rank is None else rank
+                world = int(env["WORLD_SIZE"]) if world is None else world
             except (KeyError, ValueError):
                 raise ConfigError(
                     "cannot tell this rank and the world size: call init_process_group first, "
