@@ -155,6 +155,14 @@ def test_layer_positions_follow_the_model_order(store):
     # Rebuilt buckets come in reverse order: bucket 0 holds the last layers.
     assert after[0]["layer_span"][1] == 1.0 and after[-1]["layer_span"][0] == 0.0
     assert sum(r["bytes"] for r in after) == sum(p.numel() * 4 for p in model.parameters())
+    # Without the model the order is learned from the first, whole-model bucket: the same spans.
+    learned_model = _model()
+    learned_ddp = DistributedDataParallel(learned_model, bucket_cap_mb=0.002)
+    learned = TraceRecorder(allreduce_hook, None).attach(learned_ddp)
+    for _ in range(2):
+        _step(learned_ddp)
+    spans = [(r["step"], r["bucket"], r["layer_span"]) for r in records]
+    assert [(r["step"], r["bucket"], r["layer_span"]) for r in learned.records()] == spans
 
 
 @pytest.mark.timeout(60)
