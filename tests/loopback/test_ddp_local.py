@@ -82,6 +82,24 @@ def test_one_rank_hook_keeps_the_gradients_and_counts_steps(store, dtype):
     assert stats["plane"]["in_flight"] == 0
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_buckets_go_through_pinned_staging(store):
+    model = _model().cuda()
+    ref = _model().cuda()  # the same initialisation, no DDP: one rank's mean is its gradient
+    ddp = DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.002)
+    with _state(store, model=model) as state:
+        ddp.register_comm_hook(state, gradlane_hook)
+        for _ in range(3):
+            x = torch.randn(4, 8, device="cuda")
+            ddp(x).sum().backward()
+            ref(x).sum().backward()
+            for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(a.grad, b.grad)
+                a.grad = b.grad = None
+        assert state.stats()["steps"] == 3
+
+
 @pytest.mark.timeout(60)
 def test_hook_on_a_closed_engine_fails_backward_with_a_clear_message(store):
     model = _model()
