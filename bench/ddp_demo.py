@@ -235,13 +235,13 @@ def _train(
 def gradlane_transport(opts: DemoOptions) -> Any:
     """The demo's transport config: two loopback paths, the loss bound, the injected loss."""
     from scheduling.loss import LossConfig
-    from transport.config import TransportConfig
+    from transport.config import loopback_config
     from transport.zmq_plane import zmq_config
 
     if opts.transport == "zmq":
         return zmq_config(n_paths=2)
     bounded = opts.loss_bound > 0
-    return TransportConfig(
+    return loopback_config(
         n_paths=2,
         chunk_bytes=opts.chunk_bytes,
         inject_loss=opts.inject_loss,

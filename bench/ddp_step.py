@@ -9,8 +9,9 @@ For each rank count the parent spawns one process per rank (gloo group on a TCPS
 127.0.0.1, exported as ``MASTER_ADDR``/``MASTER_PORT`` like torchrun does). Every rank builds
 the same model (an MLP with 6 × 1024² weights: 25.5 MB of float32 gradients, DDP's default 25 MB
 buckets) once per variant from the same seed: DDP with no hook (its built-in gloo all-reduce),
-and DDP with :func:`~integrations.ddp.gradlane_hook` over a *reliable* data plane (UDP engine,
-loss bound 0, two loopback paths, 65000-byte chunks; and the ZeroMQ plane), plus DDP's no-op
+and DDP with :func:`~integrations.ddp.gradlane_hook` over a *reliable* data plane (UDP engine
+with ``loopback_config()`` and loss bound 0: two loopback paths, 65000-byte chunks; and the
+ZeroMQ plane), plus DDP's no-op
 hook (no communication: the step's compute alone, for headroom). After warm-up steps
 (DDP's bucket rebuild, first allocations), each measured step runs every variant once, the
 order rotating from step to step, each behind a barrier; a rank times forward + backward +
@@ -86,7 +87,7 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from bench.ddp_models import big_mlp
     from integrations.ddp import GradlaneState, HookConfig, gradlane_hook
     from scheduling.loss import LossConfig
-    from transport.config import TransportConfig
+    from transport.config import loopback_config
     from transport.zmq_plane import zmq_config
 
     variants = ["default", *args["transports"], NOOP]
@@ -98,10 +99,8 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             ddps[v] = DistributedDataParallel(models[v])
             opts[v] = torch.optim.SGD(models[v].parameters(), lr=0.01)
             if v == "udp":
-                cfg = TransportConfig(
-                    n_paths=N_PATHS,
-                    chunk_bytes=65000,
-                    loss=LossConfig(loss_bound=0.0, hard_deadline_s=120.0),
+                cfg = loopback_config(
+                    n_paths=N_PATHS, loss=LossConfig(loss_bound=0.0, hard_deadline_s=120.0)
                 )
             elif v == "zmq":
                 cfg = zmq_config(n_paths=N_PATHS)

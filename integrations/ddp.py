@@ -53,7 +53,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,9 +62,9 @@ import torch
 import torch.distributed as dist
 
 from integrations.buckets import BucketLayout, ParamOrder, numpy_view
-from integrations.rendezvous import DEFAULT_TIMEOUT_S, StoreRendezvous, local_hosts
+from integrations.rendezvous import DEFAULT_TIMEOUT_S, StoreRendezvous, is_loopback, local_hosts
 from scheduling.errors import ConfigError, GradlaneError
-from transport.config import TransportConfig
+from transport.config import TransportConfig, loopback_config
 from transport.engine import Engine
 from transport.events import CollectiveReport
 from transport.rendezvous import Rendezvous
@@ -215,8 +215,10 @@ class Plane(Protocol):
         data: np.ndarray,
         layer_position: float = 0.5,
         dtype: int | None = None,
+        servers: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
     ) -> concurrent.futures.Future[tuple[np.ndarray, CollectiveReport]]:
-        """All-reduce ``data`` (sum over ranks)."""
+        """All-reduce ``data`` (sum over ranks), into ``out`` when given."""
 
     def stats(self) -> dict[str, Any]:
         """The plane's counters."""
@@ -239,7 +241,8 @@ class GradlaneState:
 
     Creating it starts the data plane and exchanges addresses with every other rank (all
     ranks create their states together, in the same order). ``transport`` defaults to
-    ``TransportConfig()`` (``zmq_config()`` for ``transport="zmq"``); ``rank``/``world``
+    ``loopback_config()`` when every path address is on loopback, else ``TransportConfig()``
+    (``zmq_config()`` for ``transport="zmq"``); ``rank``/``world``
     default to the process group's; ``rendezvous`` defaults to the job's TCPStore
     (:meth:`StoreRendezvous.from_env`); ``model`` (the module DDP wraps) gives the exact layer
     order, which is otherwise learned from the first bucket. ``plane`` injects a started data
@@ -261,7 +264,7 @@ class GradlaneState:
         self.config = hook = config or HookConfig()
         self.rank, self.world = _rank_and_world(rank, world)
         if transport is None:
-            transport = zmq_config() if hook.transport == "zmq" else TransportConfig()
+            transport = _default_transport(hook, os.environ.get("MASTER_ADDR"))
         self.transport = transport
         if hook.transport == "zmq" and transport.inject_loss:
             raise ConfigError("inject_loss applies to the UDP engine only (ZeroMQ is reliable)")
@@ -301,11 +304,15 @@ class GradlaneState:
         env = dict(os.environ if environ is None else environ)
         hook = HookConfig.from_env(env)
         tenv = {k: v for k, v in env.items() if not k.startswith(HOOK_ENV_PREFIX)}
-        transport = TransportConfig.from_env(tenv, **transport_overrides)
-        if hook.transport == "zmq":
-            transport = _overlay(zmq_config(), transport, TransportConfig())
+        master = env.get("MASTER_ADDR")
+        # The environment's settings on top of the defaults for this plane and network.
+        transport = _overlay(
+            _default_transport(hook, master),
+            TransportConfig.from_env(tenv, **transport_overrides),
+            TransportConfig(),
+        )
         if not hook.hosts:  # resolved here, so that ``environ`` is the only source
-            hosts = local_hosts(transport.n_paths, env.get("MASTER_ADDR"))
+            hosts = local_hosts(transport.n_paths, master)
             hook = dataclasses.replace(hook, hosts=tuple(hosts))
         rank, world = _rank_and_world(rank, world, env)
         if rendezvous is None and plane is None:
@@ -413,7 +420,8 @@ class GradlaneState:
         fut: torch.futures.Future[torch.Tensor],
     ) -> None:
         data = numpy_view(buf)  # the plane reads it on its thread; DDP waits before touching it
-        cf = self.plane.submit(key.step, key.bucket, data, layout.position, layout.wire)
+        # In place (out=data), as dist.all_reduce works: no result array, no copy back.
+        cf = self.plane.submit(key.step, key.bucket, data, layout.position, layout.wire, out=data)
         cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, None))
 
     def _submit_cuda(
@@ -438,7 +446,9 @@ class GradlaneState:
         def stage() -> None:  # staging thread: the autograd thread never waits on the GPU
             try:
                 copied.synchronize()
-                cf = self.plane.submit(key.step, key.bucket, data, layout.position, layout.wire)
+                cf = self.plane.submit(
+                    key.step, key.bucket, data, layout.position, layout.wire, out=data
+                )
                 cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, host))
             except Exception as e:
                 self._complete(key, fut, error=e)
@@ -462,7 +472,8 @@ class GradlaneState:
                     f"the data plane returned {result.dtype}[{result.size}] for a "
                     f"{data.dtype}[{data.size}] bucket"
                 )
-            np.copyto(data, result)
+            if result is not data:  # a plane that returned a new array
+                np.copyto(data, result)
             if host is not None:
                 stream = self._h2d_stream(buf.device)
                 with torch.cuda.device(buf.device), torch.cuda.stream(stream):
@@ -651,6 +662,20 @@ def _rank_and_world(
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not in a world of {world}")
     return rank, world
+
+
+def _default_transport(hook: HookConfig, master_addr: str | None) -> TransportConfig:
+    """``zmq_config()`` for ZeroMQ; ``loopback_config()`` when every path is on loopback (the
+    given hosts, or no hosts and a loopback ``MASTER_ADDR``); else ``TransportConfig()``."""
+    if hook.transport == "zmq":
+        return zmq_config()
+    if hook.hosts:
+        if all(is_loopback(h) for h in hook.hosts):
+            return loopback_config(n_paths=len(hook.hosts))
+        return TransportConfig(n_paths=len(hook.hosts))
+    if not master_addr or is_loopback(master_addr):
+        return loopback_config()
+    return TransportConfig()
 
 
 def _overlay(base: Any, changed: Any, default: Any) -> Any:

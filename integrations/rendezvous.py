@@ -29,7 +29,7 @@ import torch.distributed as dist
 from scheduling.errors import ConfigError, GradlaneError
 from transport.rendezvous import Address, Rendezvous
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RendezvousError", "StoreRendezvous", "local_hosts"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RendezvousError", "StoreRendezvous", "is_loopback", "local_hosts"]
 
 #: How long a rank waits for the store and for each peer's addresses (torch's default, too).
 DEFAULT_TIMEOUT_S = 300.0
@@ -150,7 +150,7 @@ def local_hosts(n_paths: int, master_addr: str | None) -> list[str]:
     routes toward ``MASTER_ADDR`` (found with an unconnected UDP ``connect``, no packet sent),
     which gives one path; more paths need their addresses configured.
     """
-    if not master_addr or _is_loopback(master_addr):
+    if not master_addr or is_loopback(master_addr):
         return [f"127.0.0.{1 + p}" for p in range(n_paths)]
     if n_paths != 1:
         raise ConfigError(
@@ -169,7 +169,8 @@ def local_hosts(n_paths: int, master_addr: str | None) -> list[str]:
         ) from e
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True when ``host`` is (or resolves only to) a loopback address."""
     if host in ("localhost", "::1") or host.startswith("127."):
         return True
     try:

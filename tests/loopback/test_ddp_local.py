@@ -122,7 +122,7 @@ class _WrongPlane:
     def __init__(self, how: str) -> None:
         self.how = how
 
-    def submit(self, step, bucket, data, layer_position=0.5, dtype=None):
+    def submit(self, step, bucket, data, layer_position=0.5, dtype=None, servers=None, out=None):
         fut: concurrent.futures.Future = concurrent.futures.Future()
         result = data.astype(np.int32) if self.how == "dtype" else data[:-1].copy()
         lr = LossReport(step, bucket, 0, 0, data.size, 0, {}, 0.0, False)
@@ -239,6 +239,8 @@ def test_state_from_env_reads_transport_and_hook_settings(store):
         assert state.transport.chunk_bytes == 1408
         assert state.transport.loss.loss_bound == 0.02
         assert state.config.log_every == 0
+        # No MASTER_ADDR: loopback, so loopback_config() is the base (two paths).
+        assert state.transport.n_paths == 2 and state.config.hosts == ("127.0.0.1", "127.0.0.2")
     env["GRADLANE_HOOK__TRANSPORT"] = "zmq"
     with GradlaneState.from_env(env, rendezvous=StoreRendezvous(store)) as state:
         # ZeroMQ defaults (reliable, long recovery timers) with the environment on top.

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from bench.ddp_models import digits_cnn, digits_mlp
 from integrations.ddp import GradlaneState, HookConfig, gradlane_hook
 from scheduling.loss import LossConfig
-from transport.config import TransportConfig
+from transport.config import TransportConfig, loopback_config
 
 #: Longest any rank waits for a queue hand-off.
 WAIT_S = 120.0
@@ -37,10 +37,8 @@ BUCKET_CAP_MB = 0.05
 
 
 def reliable(hard_deadline_s: float = 60.0) -> TransportConfig:
-    """Two loopback paths, 65000-byte chunks, exact all-reduce, fail at the hard deadline."""
-    return TransportConfig(
-        n_paths=2,
-        chunk_bytes=65000,
+    """``loopback_config()`` (two paths, 65000-byte chunks), exact, fail at the hard deadline."""
+    return loopback_config(
         loss=LossConfig(
             loss_bound=0.0,
             hard_deadline_s=hard_deadline_s,
