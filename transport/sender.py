@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -57,6 +58,9 @@ log = logging.getLogger(__name__)
 
 #: Lazy packing granularity: a block this large is packed when its first chunk is sent.
 PACK_BLOCK_BYTES = 1 << 20
+#: Most bytes of free packet arenas kept for reuse by one sender.
+ARENA_POOL_BYTES = 256 << 20
+_FREE_REFS = 3
 
 PENDING, INFLIGHT, LOST, ACKED, ABANDONED = 0, 1, 2, 3, 4
 
@@ -114,7 +118,7 @@ class OutTransfer:
         flags |= np.where(self.droppable, np.uint8(Flags.DROPPABLE), np.uint8(0)).astype(np.uint8)
         if n:
             flags[-1] |= np.uint8(Flags.LAST)
-        self.arena = np.empty((max(n, 1), cfg.slot_bytes), dtype=np.uint8)
+        self.arena = core.take_arena(max(n, 1))
         self.lengths = np.zeros(max(n, 1), dtype=np.int32)
         self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # what pack will write
         self._header = Header(
@@ -254,6 +258,8 @@ class SenderCore:
         self._tick_at = np.inf
         self._pace_at = np.inf
         self._window_wait = False
+        self._arena_pool: list[np.ndarray] = []
+        self._pool_bytes = 0
         self.nic: Pacer | None = None
         if config.nic_rate_Bps > 0:
             nic_cfg = replace(
@@ -759,6 +765,35 @@ class SenderCore:
         t.done = True
         self.transfers.pop(t.key, None)
         self._sendable.discard(t.key)
+        self._give_arena(t.arena)
+
+    # -- arena pool -----------------------------------------------------------------------------
+    def take_arena(self, rows: int) -> np.ndarray:
+        """A packet arena of at least ``rows`` rows: a free one from the pool if one fits, else
+        new. Fresh memory costs a page fault per 4 KiB on first touch, as much as the packing
+        itself for a small bucket; training repeats the same bucket sizes every step.
+
+        An arena is only reused once nothing references it any more: a datagram handed to a
+        driver is a view into its arena (queued by an event loop, or sent zero-copy by ZeroMQ),
+        and the view keeps a reference, so a buffer still being sent is never rewritten.
+        """
+        pool = self._arena_pool
+        for i in range(len(pool)):
+            a = pool[i]
+            # References: the pool, ``a``, getrefcount's argument; any more is a live view.
+            if rows <= a.shape[0] <= 2 * rows and sys.getrefcount(a) <= _FREE_REFS:
+                del pool[i]
+                self._pool_bytes -= a.nbytes
+                return a
+        return np.empty((rows, self.config.slot_bytes), dtype=np.uint8)
+
+    def _give_arena(self, arena: np.ndarray) -> None:
+        if arena.nbytes > ARENA_POOL_BYTES // 4:
+            return  # a rare giant: let it go
+        self._arena_pool.append(arena)
+        self._pool_bytes += arena.nbytes
+        while self._pool_bytes > ARENA_POOL_BYTES:
+            self._pool_bytes -= self._arena_pool.pop(0).nbytes
 
     def _maybe_fin(self, t: OutTransfer, now: float) -> None:
         """When only abandoned chunks remain unacknowledged, tell the receiver (FIN), and repeat

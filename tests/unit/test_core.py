@@ -580,3 +580,23 @@ def test_out_buffer_is_validated():
     for bad in (np.ones(9, np.float32), np.ones(8, np.float16), np.ones(16, np.float32)[::2]):
         with pytest.raises(ValueError, match="out must be"):
             ep.start(1, 0, x, 0.5, 0.0, out=bad)
+
+
+def test_packet_arenas_are_reused_only_when_nothing_refers_to_them():
+    sender = make(2)[0].endpoint.sender
+    a = sender.take_arena(8)
+    first = id(a)  # compare identities without holding a reference (that would pin it)
+    sender._give_arena(a)
+    del a
+    b = sender.take_arena(8)
+    assert id(b) == first  # same size again (the next step's bucket): no fresh memory
+    view = b[3, :100].data  # a datagram still queued in a driver
+    sender._give_arena(b)
+    del b
+    c = sender.take_arena(8)
+    assert id(c) != first  # never rewrite a buffer that may still be going out
+    del view
+    sender._give_arena(c)
+    del c
+    assert id(sender.take_arena(8)) == first  # free again once the view is gone
+    assert sender.take_arena(100).shape[0] == 100  # too small ones are not handed out
