@@ -44,6 +44,15 @@ log = logging.getLogger(__name__)
 
 #: Datagrams held before a batch is processed even if nobody asks.
 RX_BATCH = 256
+_KEY_DTYPE = np.dtype([("step", "<u4"), ("bucket", "<u2"), ("shard", "<u2"), ("phase", "u1")])
+# Plain ints for the per-batch path (enum attribute lookups cost more than the comparisons).
+_DATA, _MAX_KIND = int(Kind.DATA), int(max(Kind))
+_TRUNCATED, _BAD_MAGIC, _BAD_VERSION = (
+    int(Reason.TRUNCATED),
+    int(Reason.BAD_MAGIC),
+    int(Reason.BAD_VERSION),
+)
+_BAD_KIND, _FOREIGN_JOB = int(Reason.BAD_KIND), int(Reason.FOREIGN_JOB)
 
 
 class Endpoint:
@@ -263,18 +272,20 @@ class Endpoint:
         hv = header_view(arena)
         reason = np.zeros(n, dtype=np.int64)
         # Vectorised framing checks, in validate()'s order; the first failure wins.
+        kind = hv["kind"]
         checks = (
-            (lengths < HEADER_SIZE, Reason.TRUNCATED),
-            (hv["magic"] != MAGIC, Reason.BAD_MAGIC),
-            (hv["version"] != VERSION, Reason.BAD_VERSION),
-            ((hv["kind"] < Kind.DATA) | (hv["kind"] > max(Kind)), Reason.BAD_KIND),
-            (hv["job"] != self.config.job, Reason.FOREIGN_JOB),
+            (lengths < HEADER_SIZE, _TRUNCATED),
+            (hv["magic"] != MAGIC, _BAD_MAGIC),
+            (hv["version"] != VERSION, _BAD_VERSION),
+            ((kind < _DATA) | (kind > _MAX_KIND), _BAD_KIND),
+            (hv["job"] != self.config.job, _FOREIGN_JOB),
         )
         for bad, why in reversed(checks):
             reason[bad] = why
-        self.counters += np.bincount(reason[reason != 0], minlength=N_REASONS)[:N_REASONS]
         good = reason == 0
-        is_data = good & (hv["kind"] == Kind.DATA)
+        if not good.all():
+            self.counters += np.bincount(reason[~good], minlength=N_REASONS)[:N_REASONS]
+        is_data = good & (kind == _DATA)
         data_rows = np.flatnonzero(is_data)
         if data_rows.size:
             self._flush_data(arena, lengths, paths, hv, data_rows, now)
@@ -298,14 +309,18 @@ class Endpoint:
         rows: np.ndarray,
         now: float,
     ) -> None:
-        keys = np.empty(
-            rows.size, dtype=[("step", "<u4"), ("bucket", "<u2"), ("shard", "<u2"), ("phase", "u1")]
-        )
-        for name in keys.dtype.names or ():
-            keys[name] = hv[name][rows]
-        uniq, inverse = np.unique(keys, return_inverse=True)
-        for g, k in enumerate(uniq.tolist()):
-            grp = rows[inverse.reshape(-1) == g]
+        fields = [hv[name][rows] for name in ("step", "bucket", "shard", "phase")]
+        if all((f == f[0]).all() for f in fields):
+            # The usual batch: every packet belongs to one transfer (no grouping needed).
+            groups = [(tuple(int(f[0]) for f in fields), rows)]
+        else:
+            keys = np.empty(rows.size, dtype=_KEY_DTYPE)
+            for name, f in zip(_KEY_DTYPE.names or (), fields, strict=True):
+                keys[name] = f
+            uniq, inverse = np.unique(keys, return_inverse=True)
+            inverse = inverse.reshape(-1)
+            groups = [(k, rows[inverse == g]) for g, k in enumerate(uniq.tolist())]
+        for k, grp in groups:
             key = InKey(*(int(v) for v in k))
             t = self.receiver.transfers.get(key)
             if t is not None:

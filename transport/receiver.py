@@ -63,6 +63,10 @@ class InKey(NamedTuple):
     phase: int
 
 
+# Plain ints for the per-batch path (enum attribute lookups cost more than the comparisons).
+_OK, _DUPLICATE = int(Reason.OK), int(Reason.DUPLICATE)
+
+
 class InTransfer:
     """State of one incoming shard. ``target`` is the accumulator (reduce) or output (gather)."""
 
@@ -235,12 +239,12 @@ class ReceiverCore:
                 rows=rows,
                 verdicts=verdicts,
             )
-        t.duplicates += int(np.count_nonzero(verdicts == Reason.DUPLICATE))
-        t.rejected += int(
-            np.count_nonzero((verdicts != Reason.OK) & (verdicts != Reason.DUPLICATE))
-        )
+        is_dup = verdicts == _DUPLICATE
+        n_dup = int(np.count_nonzero(is_dup))
+        t.duplicates += n_dup
+        t.rejected += rows.shape[0] - int(accepted) - n_dup
         if accepted:
-            ok = rows[verdicts == Reason.OK]
+            ok = rows[verdicts == _OK] if accepted < rows.shape[0] else rows
             hdr = arena[ok, :48]
             src = hdr[:, 20].astype(np.int64) | (hdr[:, 21].astype(np.int64) << 8)
             chunk = (hdr[:, 24:28].astype(np.int64) << np.array([0, 8, 16, 24])).sum(axis=1)
@@ -255,8 +259,8 @@ class ReceiverCore:
             first = np.isinf(t.ack_due[r])
             t.ack_due[r[first]] = now + self.config.ack_delay_s
             self._ack_pending[t.key] = t
-        dup = rows[verdicts == Reason.DUPLICATE]
-        if dup.size:
+        if n_dup:
+            dup = rows[is_dup]
             # A duplicate means our ACK was lost or late: acknowledge again soon.
             hdr = arena[dup, :48]
             src = hdr[:, 20].astype(np.int64) | (hdr[:, 21].astype(np.int64) << 8)
