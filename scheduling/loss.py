@@ -204,6 +204,25 @@ class LossPolicy:
             value *= max(1.0, elems / mean)
         return min(cfg.soft_deadline_max_s, max(cfg.soft_deadline_min_s, value))
 
+    def nack_deadline(self, gather: bool, elems: int | None = None) -> float:
+        """When a receiver starts asking for what is missing (NACK), in seconds after start.
+
+        With a loss bound, at the soft deadline: that is when it decides. A reliable phase
+        (bound 0) cannot complete without the data, so a NACK there only helps once the data is
+        surely late: RFC 6298's four deviations (not the soft deadline's k) — an earlier NACK
+        re-sends packets that are still queued on their way.
+        """
+        cfg = self.config
+        soft = self.soft_deadline(gather, elems)
+        p = int(gather)
+        if cfg.bound(gather) > 0 or math.isnan(self._srtt[p]):
+            return soft
+        late = float(self._srtt[p] + max(cfg.soft_deadline_k, 4.0) * self._rttvar[p])
+        mean = self._mean_elems[p]
+        if elems is not None and mean > 0.0:
+            late *= max(1.0, elems / mean)
+        return max(soft, min(cfg.soft_deadline_max_s, late))
+
     def record(
         self, *, gather: bool, duration: float, clean: bool, elems: int | None = None
     ) -> None:

@@ -384,7 +384,7 @@ class ReceiverCore:
         The soft deadline adapts (it may move later after a NACK went out): re-check at the later
         of it and the NACK repeat, never in the past of both; the hard deadline caps it.
         """
-        soft = t.started + self.loss.soft_deadline(t.gather, t.elems)
+        soft = t.started + self.loss.nack_deadline(t.gather, t.elems)
         hard = t.started + self.config.loss.hard_deadline_s
         t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval(t)))
 
@@ -457,7 +457,7 @@ class ReceiverCore:
             )
             self._finish(t, now)
             self.emit(PeerTimedOut(err, t.key.step, t.key.bucket))
-        elif now >= t.started + self.loss.soft_deadline(gather, t.elems):
+        elif now >= t.started + self.loss.nack_deadline(gather, t.elems):
             self._nack(t, verdict.need, now)
 
     def _nack(self, t: InTransfer, need: np.ndarray, now: float) -> None:

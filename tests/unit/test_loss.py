@@ -455,3 +455,18 @@ def test_soft_deadline_scales_up_with_transfer_size_never_down():
     assert p.soft_deadline(False, 10) == pytest.approx(base)  # small ones: latency-bound
     assert p.soft_deadline(False, 10**9) == 1.0  # still clamped
     assert p.soft_deadline(True, 4000) == 1.0  # the gather phase has no history yet
+
+
+def test_reliable_phases_nack_later_than_the_soft_deadline():
+    """Bound 0: no decision to make at the soft deadline, and an early NACK only re-sends
+    packets still on their way; with a bound, the NACK goes out when the policy decides."""
+    reliable = LossPolicy(LossConfig(loss_bound=0.0))
+    bounded = LossPolicy(LossConfig(loss_bound=0.1))
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        d = float(rng.uniform(0.01, 0.03))
+        for p in (reliable, bounded):
+            p.record(gather=False, duration=d, clean=True, elems=1000)
+    assert bounded.nack_deadline(False, 1000) == bounded.soft_deadline(False, 1000)
+    assert reliable.nack_deadline(False, 1000) > reliable.soft_deadline(False, 1000) + 0.005
+    assert reliable.nack_deadline(False, 4000) > 3.9 * reliable.nack_deadline(False, 1000)
