@@ -214,14 +214,17 @@ def loopback_config(**overrides: Any) -> TransportConfig:
     """A config for ranks on one host (loopback): two paths (127.0.0.1 and 127.0.0.2), the
     largest datagrams the loopback MTU allows (65000-byte chunks: fewest packets per byte, the
     one lever that matters when each datagram costs a system call), and pacing that starts at
-    memory speed (10 GB/s per path, 4 MiB bursts) instead of a NIC's rate, since there is no
-    link to overrun; the delay-based response still backs off if the receiver falls behind.
+    memory speed (10 GB/s per path, 4 MiB bursts) at a fixed rate: on one host there is no
+    network to congest, and the interpreter's scheduling jitter reads as queueing delay to a
+    delay-based controller, which then throttled a 100 MB all-reduce to a third of its speed.
+    Receive buffers (16 MiB, forced when permitted) absorb the bursts; what overflows them is
+    recovered like any loss.
     ``overrides`` replace any field (e.g. ``loss=LossConfig(...)``).
     """
     values: dict[str, Any] = {
         "n_paths": 2,
         "chunk_bytes": 65000,
-        "pacing": PacingConfig(initial_rate_Bps=1e10, burst_bytes=4 << 20),
+        "pacing": PacingConfig(controller="fixed", initial_rate_Bps=1e10, burst_bytes=4 << 20),
     }
     values.update(overrides)
     return TransportConfig(**values)
