@@ -56,7 +56,7 @@ class DemoOptions:
     """Images per rank and step."""
     lr: float = 0.05
     seed: int = 1
-    chunk_bytes: int = 1408
+    chunk_bytes: int = 4096
     """gradlane payload per datagram (MTU-sized: a bucket of this small model is then dozens
     of chunks per shard, enough for a loss bound to mean something)."""
     warmup_steps: int = 2

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -370,7 +371,11 @@ class Engine:
         self._armed = when
         if when is not None:
             assert self._loop is not None
-            # The core's clock is time.monotonic(); place the deadline on the loop's clock.
-            self._timer = self._loop.call_at(
-                self._loop.time() + max(0.0, when - now), self._on_timer
-            )
+            # The core's clock is time.monotonic(); the loop's timers count whole milliseconds
+            # (libuv truncates: a 0.3 ms wait would fire at once, and again, and again — a busy
+            # spin of full service passes until the deadline). Round up: a timer may be up to
+            # 1 ms late, never early; socket input still wakes the loop at once.
+            delay = max(0.0, when - now)
+            if delay > 0.0:
+                delay = math.ceil(delay * 1000.0) / 1000.0
+            self._timer = self._loop.call_later(delay, self._on_timer)
