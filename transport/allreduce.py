@@ -388,6 +388,9 @@ class TransposeAllReduce:
             np.multiply(c.accum, scale, out=c.accum)
         if c.dtype != DType.F32:
             from_f32(c.accum, c.dtype, c.result[lo:hi])
+        # The gather phase starts now (the peers' reduce phases end about when this one does).
+        for j in c.gather_received:
+            self.endpoint.receiver.restart_clock(InKey(c.step, c.bucket, j, Phase.GATHER), now)
         for j in range(world):
             if j != me:
                 self.endpoint.sender.start(

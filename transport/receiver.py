@@ -381,6 +381,20 @@ class ReceiverCore:
             t.done = True
 
     # -- internals ---------------------------------------------------------------------------
+    def restart_clock(self, key: InKey, now: float) -> None:
+        """Count ``key``'s deadlines from ``now``: the phase it waits on ended only now.
+
+        A gather transfer is expected from the collective's start, but its data cannot flow
+        before the reduce phase ends; timed from the start, its soft deadline learned the reduce
+        phase's length too and fired NACKs at senders that had not begun.
+        """
+        t = self.transfers.get(key)
+        if t is None or t.done:
+            return
+        t.started = max(t.started, now)
+        t.last_data_at = max(t.last_data_at, t.started)
+        self._refresh_check(t)
+
     def _refresh_check(self, t: InTransfer) -> None:
         """When the policy must next look at ``t`` without new packets.
 

@@ -142,9 +142,6 @@ class OutTransfer:
         self.sent_at = np.zeros(n, dtype=np.float64)
         self.path = np.zeros(n, dtype=np.int16)
         self.tx = np.zeros(n, dtype=np.uint8)
-        # Bytes already in flight on its path when a chunk was sent: it cannot be acknowledged
-        # before those drain, which the retransmission timeout must allow for.
-        self.ahead = np.zeros(n, dtype=np.float64)
         # Send order: by class, then chunk index; the layer position is per transfer (heap key).
         self.order = np.argsort(
             send_order_key(self.prio, self.layer_position, np.arange(n)), kind="stable"
@@ -579,21 +576,7 @@ class SenderCore:
             return np.empty(0, dtype=np.int64)
         inflight = np.flatnonzero(t.state == INFLIGHT)
         rtos = self._path_rtos(t.key.dst) * t.rto_backoff
-        # A chunk sent behind a backlog waits for it to drain (at the path's delivery rate)
-        # before its round trip even starts: a deep send burst must not read as loss.
-        path = t.path[inflight]
-        drain = t.ahead[inflight] / self.paths[t.key.dst].rates[path]
-        return inflight[t.sent_at[inflight] + rtos[path] + drain <= now]
-
-    def _bytes_ahead(self, peer: int, paths: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        """Per chunk of a batch: bytes in flight on its path before it (earlier batches, then
-        earlier chunks of this batch)."""
-        ahead = self.paths[peer].outstanding[paths]
-        for q in np.unique(paths).tolist():
-            sel = paths == q
-            s_q = sizes[sel].astype(np.float64)
-            ahead[sel] += np.cumsum(s_q) - s_q
-        return ahead
+        return inflight[t.sent_at[inflight] + rtos[t.path[inflight]] <= now]
 
     def _path_rtos(self, peer: int) -> np.ndarray:
         """Per-path RTO toward ``peer``; a path with no RTT sample yet borrows the largest RTO
@@ -702,7 +685,6 @@ class SenderCore:
         t.path[chunks] = paths
         t.tx[chunks] = np.minimum(t.tx[chunks].astype(np.int64) + 1, 255).astype(np.uint8)
         self._advance_cursor(t)
-        t.ahead[chunks] = self._bytes_ahead(peer, paths, sizes)
         self.paths[peer].on_sent(paths, sizes, now)
         for q in np.unique(paths):
             self.pacers[(peer, int(q))].consume(int(sizes[paths == q].sum()), now)
