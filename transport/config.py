@@ -57,11 +57,6 @@ class TransportConfig:
     tx_quantum_packets: int = 4
     """Send when this many packets' worth of pacing tokens have accrued (like a GSO burst):
     fewer, larger batches for the same rate."""
-    window_bytes: int = 0
-    """Most bytes in flight (sent, neither acknowledged nor lost) toward one peer; 0 = no limit.
-    A receiver's socket buffer is shared by all its senders, so ``window_bytes × (world - 1)``
-    should fit in it (SO_RCVBUF, 16 MiB requested): past that, a fast sender only overflows the
-    buffer and pays for retransmissions. The pacers bound the rate; this bounds the backlog."""
     rx_coalesce_s: float = 0.0
     """Hold received datagrams up to this long to process them as one batch (like NIC
     interrupt moderation); 0 processes at the next driver call."""
@@ -108,8 +103,6 @@ class TransportConfig:
             raise ConfigError("nic_rate_Bps must be >= 0 (0 = uncapped) and tick_s > 0")
         if self.tx_quantum_packets < 1 or self.rx_coalesce_s < 0:
             raise ConfigError("tx_quantum_packets must be >= 1 and rx_coalesce_s >= 0")
-        if self.window_bytes < 0:
-            raise ConfigError(f"window_bytes={self.window_bytes}: >= 0 (0 = no limit)")
         if self.burst_packets < 1:
             raise ConfigError(f"burst_packets={self.burst_packets}: at least 1")
         if self.rotate_block < 1 or self.rotate_block & (self.rotate_block - 1):

@@ -1,31 +1,16 @@
-"""Sans-I/O sender core: packs shards, sends them in priority order, retransmits what is missing.
+"""Sans-I/O sender core: sends shards in priority order, retransmits what is missing.
 
 Theory of operation
 -------------------
-An *outgoing transfer* is one shard (step, bucket, shard, phase) for one peer. At start the shard
-is classified (priority policy on per-chunk norms and the bucket's layer position); it is packed
-into an arena of ready packets lazily, a block of chunks at a time, right before the block's
-first chunk is sent: the first packet leaves without waiting for the whole shard to be copied,
-packing overlaps the peer's work, and each block is still in cache when the kernel copies it
-out. Retransmissions reuse the arena. The caller's buffer is therefore read until every block
-is packed; :meth:`SenderCore.detach` packs the rest at once when the buffer must be released (a
-collective that completed or failed). Per-chunk state lives in numpy arrays (STYLE rule 3):
+The per-chunk state of each outgoing transfer, its lazy packing and the packet arenas are
+:mod:`transport.outgoing`'s; this module decides what goes out when. Sending order is global:
+a heap over transfers keyed by (class of the next chunk, layer position, creation order), so a
+front-layer bucket preempts a back-layer one and protected chunks of any bucket go first;
+retransmissions of a class go before new chunks of that class. Bytes toward a peer are paced
+per path and spread over paths by :class:`scheduling.paths.PathSet`.
 
-=========  ================================================================================
-state      meaning
-=========  ================================================================================
-PENDING    never sent
-INFLIGHT   sent, not acknowledged
-LOST       declared lost (RACK on the same path and class, RTO, or a NACK) and queued to resend
-ACKED      the receiver has it
-ABANDONED  skipped on purpose (droppable and late) or a tolerated loss, within the budget
-=========  ================================================================================
-
-Sending order is global: a heap over transfers keyed by (class of the next chunk, layer
-position, creation order), so a front-layer bucket preempts a back-layer one and protected chunks
-of any bucket go first; retransmissions of a class go before new chunks of that class. Bytes
-toward a peer are paced per path and spread over paths by :class:`scheduling.paths.PathSet`.
-
+Loss detection: RACK (a chunk sent well before the newest acknowledged one on the same path
+and priority class is lost), a retransmission timeout per path, and the receiver's NACKs.
 With a loss bound, the sender tells the receiver its protected chunks (MANIFEST, repeated until
 an ACK carries the PROTECTED flag) and, when it has nothing left to send but abandoned chunks, a
 FIN with their bitmap so the receiver can complete at once instead of waiting for a deadline.
@@ -36,43 +21,32 @@ from __future__ import annotations
 
 import heapq
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import numpy as np
 
 from scheduling.loss import LossPolicy
 from scheduling.pacing import Pacer
 from scheduling.paths import PathSet
-from scheduling.priority import PriorityPolicy, send_order_key
-from transport import kernels
+from scheduling.priority import PriorityPolicy
 from transport.config import TransportConfig
 from transport.events import Datagram, SenderReport
-from transport.packet import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Phase, chunk_counts
+from transport.outgoing import (
+    ABANDONED,
+    ACKED,
+    INFLIGHT,
+    LOST,
+    PENDING,
+    ArenaPool,
+    OutKey,
+    OutTransfer,
+)
+from transport.packet import Kind
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
 log = logging.getLogger(__name__)
-
-#: Lazy packing granularity: a block this large is packed when its first chunk is sent.
-PACK_BLOCK_BYTES = 1 << 20
-#: Most bytes of free packet arenas kept for reuse by one sender.
-ARENA_POOL_BYTES = 256 << 20
-_FREE_REFS = 3
-
-PENDING, INFLIGHT, LOST, ACKED, ABANDONED = 0, 1, 2, 3, 4
-
-
-class OutKey(NamedTuple):
-    """Identity of an outgoing transfer."""
-
-    step: int
-    bucket: int
-    shard: int
-    phase: int
-    dst: int
 
 
 @dataclass
@@ -82,133 +56,6 @@ class _ClassStats:
     retransmitted: np.ndarray
     path_bytes: np.ndarray
     bytes_sent: int = 0
-
-
-class OutTransfer:
-    """State of one outgoing shard (arrays per chunk). Created by :meth:`SenderCore.start`."""
-
-    def __init__(
-        self,
-        key: OutKey,
-        seq: int,
-        data: np.ndarray,
-        dtype: int,
-        layer_position: float,
-        now: float,
-        core: SenderCore,
-        pinned: bool,
-    ) -> None:
-        cfg = core.config
-        self.key = key
-        self.seq = seq
-        self.layer_position = float(layer_position)
-        self.started = now
-        self.hard_deadline = now + cfg.loss.hard_deadline_s
-        gather = key.phase == Phase.GATHER
-        self.chunk_elems = cfg.chunk_elems(dtype)
-        self.n_elems = int(data.shape[0])
-        self.counts = chunk_counts(self.n_elems, self.chunk_elems)
-        n = self.n_chunks = int(self.counts.shape[0])
-        norms, _ = kernels.chunk_norms(data, dtype=DType(dtype), chunk_elems=self.chunk_elems)
-        classes = core.priority.classify(norms=norms, layer_position=layer_position, pinned=pinned)
-        self.prio = np.ascontiguousarray(classes.prio, dtype=np.uint8)
-        self.protected = np.asarray(classes.protected, dtype=bool)
-        self.droppable = np.asarray(classes.droppable, dtype=bool) & ~self.protected
-        flags = np.where(self.protected, np.uint8(Flags.PROTECTED), np.uint8(0)).astype(np.uint8)
-        flags |= np.where(self.droppable, np.uint8(Flags.DROPPABLE), np.uint8(0)).astype(np.uint8)
-        if n:
-            flags[-1] |= np.uint8(Flags.LAST)
-        self.arena = core.take_arena(max(n, 1))
-        self.lengths = np.zeros(max(n, 1), dtype=np.int32)
-        self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # what pack will write
-        self._header = Header(
-            kind=Kind.DATA,
-            job=cfg.job,
-            step=key.step,
-            bucket=key.bucket,
-            shard=key.shard,
-            src=core.me,
-            dst=key.dst,
-            phase=key.phase,
-            dtype=dtype,
-        )
-        self._src: np.ndarray | None = data if n else None
-        self._dtype = DType(dtype)
-        self._tag_key = core.key
-        self._flags = flags
-        self._block = max(1, PACK_BLOCK_BYTES // max(cfg.chunk_bytes, 1))
-        self._packed = np.zeros(-(-n // self._block), dtype=bool)
-        self.state = np.zeros(n, dtype=np.uint8)
-        self.sent_at = np.zeros(n, dtype=np.float64)
-        self.path = np.zeros(n, dtype=np.int16)
-        self.tx = np.zeros(n, dtype=np.uint8)
-        # Send order: by class, then chunk index; the layer position is per transfer (heap key).
-        self.order = np.argsort(
-            send_order_key(self.prio, self.layer_position, np.arange(n)), kind="stable"
-        ).astype(np.int64)
-        self.cursor = 0
-        self.n_lost = 0
-        self.n_inflight = 0
-        self.budget_elems = 0
-        if core.loss_bound(gather) > 0:
-            self.budget_elems = core.loss.budget_elems(gather=gather, expected_elems=self.n_elems)
-        self.abandoned_elems = 0
-        self.manifest_acked = core.loss_bound(gather) <= 0
-        self.manifest_sent_at = -np.inf
-        self.fin_sent_at = -np.inf
-        self.rto_backoff = 1.0
-        self.done = False
-        self.gather = gather
-
-    # -- packing ---------------------------------------------------------------------------
-    def ensure_packed(self, chunks: np.ndarray) -> None:
-        """Pack the blocks holding ``chunks`` that are not packed yet."""
-        blocks = chunks // self._block
-        todo = blocks[~self._packed[blocks]]
-        if todo.size:
-            for b in np.unique(todo).tolist():
-                self._pack_block(b)
-
-    def pack_all(self) -> None:
-        """Pack every block not packed yet; the source buffer is not read after this."""
-        for b in np.flatnonzero(~self._packed).tolist():
-            self._pack_block(b)
-
-    def _pack_block(self, b: int) -> None:
-        assert self._src is not None
-        c0 = b * self._block
-        c1 = min(c0 + self._block, self.n_chunks)
-        ce = self.chunk_elems
-        kernels.pack(
-            self._src[c0 * ce : min(c1 * ce, self.n_elems)],
-            self.arena[c0:c1],
-            self.lengths[c0:c1],
-            dtype=self._dtype,
-            header=self._header,
-            chunk_elems=ce,
-            key=self._tag_key,
-            prio=self.prio[c0:c1],
-            flags=self._flags[c0:c1],
-            first_chunk=c0,
-        )
-        self._packed[b] = True
-        if self._packed.all():
-            self._src = None  # everything is in the arena: drop the caller's buffer
-
-    # -- queries ---------------------------------------------------------------------------
-    def next_class(self) -> int | None:
-        """Class of the next chunk this transfer would send, or None when it has nothing."""
-        best: int | None = None
-        if self.n_lost:
-            best = int(self.prio[self.state == LOST].min())
-        if self.cursor < self.n_chunks:
-            nxt = int(self.prio[self.order[self.cursor]])
-            best = nxt if best is None else min(best, nxt)
-        return best
-
-    def outstanding(self) -> bool:
-        """True while some chunk is neither acknowledged nor abandoned."""
-        return bool(np.any(self.state < ACKED))
 
 
 class SenderCore:
@@ -257,9 +104,7 @@ class SenderCore:
         self._rttvar = np.nan
         self._tick_at = np.inf
         self._pace_at = np.inf
-        self._window_wait = False
-        self._arena_pool: list[np.ndarray] = []
-        self._pool_bytes = 0
+        self.arenas = ArenaPool()
         self.nic: Pacer | None = None
         if config.nic_rate_Bps > 0:
             nic_cfg = replace(
@@ -289,7 +134,20 @@ class SenderCore:
         if key in self.transfers:
             raise ValueError(f"transfer {key} already in flight")
         self._seq += 1
-        t = OutTransfer(key, self._seq, data, dtype, layer_position, now, self, pinned)
+        t = OutTransfer(
+            key,
+            self._seq,
+            data,
+            dtype,
+            layer_position,
+            now,
+            pinned,
+            me=self.me,
+            config=self.config,
+            priority=self.priority,
+            loss=self.loss,
+            arenas=self.arenas,
+        )
         self.transfers[key] = t
         self._stats(key.step, key.bucket)
         if t.n_chunks == 0:
@@ -298,7 +156,6 @@ class SenderCore:
         if not t.manifest_acked:
             self._queue_manifest(t, now)
         self._sendable.add(key)
-        self._window_wait = False
         self._tick_at = min(self._tick_at, now + self.config.tick_s)
         return t
 
@@ -442,7 +299,6 @@ class SenderCore:
         out = self._control
         self._control = []
         self._pace_at = np.inf
-        self._window_wait = False
         if not self._sendable:
             return out
         heap: list[tuple[int, float, int, OutKey]] = []
@@ -463,9 +319,6 @@ class SenderCore:
             return out
         allowance: dict[int, int] = {}
         blocked: set[int] = set()
-        window_full: set[int] = set()
-        window = self.config.window_bytes
-        flight: dict[int, int] = {}
         budget = self.config.burst_packets * self._n_paths
         while heap and budget > 0 and local_left > 0:
             cls, _, _, key = heapq.heappop(heap)
@@ -475,19 +328,9 @@ class SenderCore:
                 allowance[peer] = sum(
                     self.pacers[(peer, q)].allowance(now) for q in self._usable(peer)
                 )
-                if window:
-                    if not flight:  # chunks in flight per peer, from the transfers' own state
-                        for u in self.transfers.values():
-                            flight[u.key.dst] = flight.get(u.key.dst, 0) + u.n_inflight
-                        flight[-1] = 0
-                    room = window - flight.get(peer, 0) * self.config.chunk_bytes
-                    if room <= 0:  # an ACK, a loss or the tick will reopen it: no pacing wake
-                        window_full.add(peer)
-                    allowance[peer] = min(allowance[peer], room)
             avail = min(allowance[peer], local_left)
             if avail <= 0:
-                if peer not in window_full:
-                    blocked.add(peer)
+                blocked.add(peer)
                 continue
             sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out)
             budget -= sent
@@ -500,12 +343,8 @@ class SenderCore:
                 self._sendable.discard(key)
             elif consumed:
                 heapq.heappush(heap, (nxt, t.layer_position, t.seq, key))
-        waiting = blocked | {k.dst for *_, k in heap if k.dst not in window_full}
-        if waiting:
-            self._pace_at = self._wake_time(now, budget, waiting)
-        # Only full windows stopped us: the next ACK (or loss) reopens them, and drivers call
-        # datagrams_to_send after every input, so no timer is needed for it.
-        self._window_wait = bool(window_full) and not waiting
+        if heap or blocked:
+            self._pace_at = self._wake_time(now, budget, blocked | {k.dst for *_, k in heap})
         return out
 
     def _wake_time(self, now: float, budget: int, peers: set[int]) -> float:
@@ -523,7 +362,7 @@ class SenderCore:
     def get_timer(self) -> float | None:
         """The housekeeping tick while transfers run, or the pacing release if earlier."""
         best = self._tick_at if self.transfers else np.inf
-        if self._sendable and not self._window_wait:
+        if self._sendable:
             best = min(best, self._pace_at if self._pace_at < np.inf else self._now)
         return None if best == np.inf else float(best)
 
@@ -665,7 +504,7 @@ class SenderCore:
             fresh = kept
         chunks = np.concatenate((retx, fresh)) if retx.size else fresh
         if chunks.size == 0:
-            self._advance_cursor(t)
+            t.advance_cursor()
             self._maybe_fin(t, now)
             return 0, skipped, 0
         sizes = t.lengths[chunks].astype(np.int64)
@@ -684,7 +523,7 @@ class SenderCore:
         t.sent_at[chunks] = now
         t.path[chunks] = paths
         t.tx[chunks] = np.minimum(t.tx[chunks].astype(np.int64) + 1, 255).astype(np.uint8)
-        self._advance_cursor(t)
+        t.advance_cursor()
         self.paths[peer].on_sent(paths, sizes, now)
         for q in np.unique(paths):
             self.pacers[(peer, int(q))].consume(int(sizes[paths == q].sum()), now)
@@ -701,17 +540,6 @@ class SenderCore:
         for c, q in zip(chunks.tolist(), paths.tolist(), strict=True):
             out.append(Datagram(arena[c, : lengths[c]].data, peer, q, tos))
         return fit, fit + skipped, int(sizes.sum())
-
-    @staticmethod
-    def _advance_cursor(t: OutTransfer) -> None:
-        """Move the cursor past chunks that are no longer PENDING (sent or skipped)."""
-        while t.cursor < t.n_chunks:
-            window = t.state[t.order[t.cursor : t.cursor + 256]]
-            pending = np.flatnonzero(window == PENDING)
-            if pending.size:
-                t.cursor += int(pending[0])
-                return
-            t.cursor += int(window.size)
 
     def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:
         """Skip droppable chunks that cannot make the soft deadline, within the budget.
@@ -765,35 +593,7 @@ class SenderCore:
         t.done = True
         self.transfers.pop(t.key, None)
         self._sendable.discard(t.key)
-        self._give_arena(t.arena)
-
-    # -- arena pool -----------------------------------------------------------------------------
-    def take_arena(self, rows: int) -> np.ndarray:
-        """A packet arena of at least ``rows`` rows: a free one from the pool if one fits, else
-        new. Fresh memory costs a page fault per 4 KiB on first touch, as much as the packing
-        itself for a small bucket; training repeats the same bucket sizes every step.
-
-        An arena is only reused once nothing references it any more: a datagram handed to a
-        driver is a view into its arena (queued by an event loop, or sent zero-copy by ZeroMQ),
-        and the view keeps a reference, so a buffer still being sent is never rewritten.
-        """
-        pool = self._arena_pool
-        for i in range(len(pool)):
-            a = pool[i]
-            # References: the pool, ``a``, getrefcount's argument; any more is a live view.
-            if rows <= a.shape[0] <= 2 * rows and sys.getrefcount(a) <= _FREE_REFS:
-                del pool[i]
-                self._pool_bytes -= a.nbytes
-                return a
-        return np.empty((rows, self.config.slot_bytes), dtype=np.uint8)
-
-    def _give_arena(self, arena: np.ndarray) -> None:
-        if arena.nbytes > ARENA_POOL_BYTES // 4:
-            return  # a rare giant: let it go
-        self._arena_pool.append(arena)
-        self._pool_bytes += arena.nbytes
-        while self._pool_bytes > ARENA_POOL_BYTES:
-            self._pool_bytes -= self._arena_pool.pop(0).nbytes
+        self.arenas.give(t.arena)
 
     def _maybe_fin(self, t: OutTransfer, now: float) -> None:
         """When only abandoned chunks remain unacknowledged, tell the receiver (FIN), and repeat
