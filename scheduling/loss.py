@@ -194,15 +194,7 @@ class LossPolicy:
         25 MB ones before it, and NACKing it early only resends what is still queued); never
         down, since small transfers are bound by latency, not size.
         """
-        cfg = self.config
-        p = int(gather)
-        if math.isnan(self._srtt[p]):
-            return cfg.soft_deadline_max_s
-        value = float(self._srtt[p] + cfg.soft_deadline_k * self._rttvar[p])
-        mean = self._mean_elems[p]
-        if elems is not None and mean > 0.0:
-            value *= max(1.0, elems / mean)
-        return min(cfg.soft_deadline_max_s, max(cfg.soft_deadline_min_s, value))
+        return self._deadline(gather, elems, self.config.soft_deadline_k)
 
     def nack_deadline(self, gather: bool, elems: int | None = None) -> float:
         """When a receiver starts asking for what is missing (NACK), in seconds after start.
@@ -213,15 +205,20 @@ class LossPolicy:
         re-sends packets that are still queued on their way.
         """
         cfg = self.config
-        soft = self.soft_deadline(gather, elems)
+        k = cfg.soft_deadline_k if cfg.bound(gather) > 0 else max(cfg.soft_deadline_k, 4.0)
+        return self._deadline(gather, elems, k)
+
+    def _deadline(self, gather: bool, elems: int | None, k: float) -> float:
+        """Learned duration + ``k`` deviations, scaled up for a larger transfer, clamped."""
+        cfg = self.config
         p = int(gather)
-        if cfg.bound(gather) > 0 or math.isnan(self._srtt[p]):
-            return soft
-        late = float(self._srtt[p] + max(cfg.soft_deadline_k, 4.0) * self._rttvar[p])
+        if math.isnan(self._srtt[p]):
+            return cfg.soft_deadline_max_s
+        value = float(self._srtt[p] + k * self._rttvar[p])
         mean = self._mean_elems[p]
         if elems is not None and mean > 0.0:
-            late *= max(1.0, elems / mean)
-        return max(soft, min(cfg.soft_deadline_max_s, late))
+            value *= max(1.0, elems / mean)
+        return min(cfg.soft_deadline_max_s, max(cfg.soft_deadline_min_s, value))
 
     def record(
         self, *, gather: bool, duration: float, clean: bool, elems: int | None = None

@@ -199,12 +199,10 @@ class SenderCore:
         is subtracted from that chunk's RTT sample (as QUIC does) so ACK batching does not look
         like queueing to the delay-based congestion response.
         """
-        t = self.transfers.get(key)
-        if t is None or t.done:
+        span = self._bitmap_span(key, base, bits)
+        if span is None:
             return
-        end = min(base + bits.shape[0], t.n_chunks)
-        if base >= end:
-            return
+        t, end = span
         seg = slice(base, end)
         st = t.state[seg]
         newly = bits[: end - base] & ((st == INFLIGHT) | (st == LOST) | (st == ABANDONED))
@@ -258,12 +256,10 @@ class SenderCore:
 
     def on_nack(self, key: OutKey, base: int, bits: np.ndarray, now: float) -> None:
         """The receiver needs these chunks now: queue them for retransmission, even abandoned."""
-        t = self.transfers.get(key)
-        if t is None or t.done:
+        span = self._bitmap_span(key, base, bits)
+        if span is None:
             return
-        end = min(base + bits.shape[0], t.n_chunks)
-        if base >= end:
-            return
+        t, end = span
         idx = np.flatnonzero(bits[: end - base]) + base
         # A chunk sent less than a smoothed RTT ago may simply not have arrived yet (it was
         # sent after the NACK was): resending it now would only make a duplicate.
@@ -279,6 +275,17 @@ class SenderCore:
         t.n_lost += int(want.size)
         if want.size:
             self._sendable.add(key)
+
+    def _bitmap_span(
+        self, key: OutKey, base: int, bits: np.ndarray
+    ) -> tuple[OutTransfer, int] | None:
+        """The live transfer a bitmap (ACK/NACK from chunk ``base``) is about, and the end of
+        the chunks it covers; None for a finished transfer or a bitmap past its end."""
+        t = self.transfers.get(key)
+        if t is None or t.done:
+            return None
+        end = min(base + bits.shape[0], t.n_chunks)
+        return (t, end) if base < end else None
 
     def on_stop(self, key: OutKey) -> None:
         """The receiver completed: stop sending and free the arena."""
