@@ -9,7 +9,6 @@ processes; nothing asserts on timing except that a failure arrives before the qu
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -17,9 +16,7 @@ from typing import Any
 import pytest
 
 from tests.multiproc import ddp_workers
-
-CTX = mp.get_context("spawn")
-JOIN_S = 30.0
+from tests.multiproc.procs import RankProcs, owned
 
 
 def _free_port() -> int:
@@ -28,27 +25,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Group:
+class Group(RankProcs):
     """``world`` spawned ranks running one scenario; results by rank."""
-
-    def __init__(self) -> None:
-        self.up: Any = CTX.Queue()
-        self.downs: list[Any] = []
-        self.procs: list[Any] = []
 
     def start(self, scenario: str, world: int, args: dict) -> None:
         port = _free_port()
         for rank in range(world):
-            down = CTX.Queue()
-            self.downs.append(down)
-            p = CTX.Process(
-                target=ddp_workers.rank_main,
-                args=(scenario, rank, world, port, args, self.up, down),
-                name=f"gl-ddp-{scenario}-r{rank}",
-                daemon=True,
+            self.spawn(
+                ddp_workers.rank_main,
+                (scenario, rank, world, port, args, self.up, self.down(rank)),
+                f"gl-ddp-{scenario}-r{rank}",
             )
-            p.start()
-            self.procs.append(p)
 
     def results(self, n: int | None = None) -> dict[int, Any]:
         """The payloads of ``n`` ranks (default: all); a rank's error fails the test."""
@@ -62,31 +49,13 @@ class Group:
         return out
 
     def release(self) -> None:
-        for down in self.downs:
+        for down in self.downs.values():
             down.put("go")
-
-    def close(self) -> None:
-        self.release()
-        for p in self.procs:
-            p.join(JOIN_S)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(JOIN_S)
-        self.up.close()
-        for q in self.downs:
-            q.close()
 
 
 @pytest.fixture
 def group() -> Iterator[Group]:
-    g = Group()
-    try:
-        yield g
-    finally:
-        g.close()
-    codes = {p.name: p.exitcode for p in g.procs}
-    assert all(c == 0 for c in codes.values()), f"rank processes exited abnormally: {codes}"
+    yield from owned(Group(), "go")
 
 
 #: Largest gap between the two hooks' gradients, relative to the largest gradient: float32 sums

@@ -7,7 +7,6 @@ killed in a ``finally``, every hand-off has a timeout, and each test has a pytes
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,30 +14,17 @@ import numpy as np
 import pytest
 
 from tests.multiproc import workers
-
-CTX = mp.get_context("spawn")
-JOIN_S = 30.0
+from tests.multiproc.procs import RankProcs, owned
 
 
-class Ranks:
-    """Spawned rank processes sharing one ``up`` queue, each with its own ``down`` queue."""
-
-    def __init__(self) -> None:
-        self.up: Any = CTX.Queue()
-        self.procs: list[Any] = []
-        self.downs: dict[int, Any] = {}
+class Ranks(RankProcs):
+    """Live and dead rank processes of one engine test."""
 
     def live(self, rank: int, *args: Any) -> None:
-        down = self.downs[rank] = CTX.Queue()
-        self._spawn(workers.run_rank, (rank, *args, self.up, down), rank)
+        self.spawn(workers.run_rank, (rank, *args, self.up, self.down(rank)), f"gl-rank-{rank}")
 
     def dead(self, rank: int) -> None:
-        self._spawn(workers.run_dead_rank, (rank, self.up), rank)
-
-    def _spawn(self, target: Any, args: tuple, rank: int) -> None:
-        p = CTX.Process(target=target, args=args, name=f"gl-rank-{rank}", daemon=True)
-        p.start()
-        self.procs.append(p)
+        self.spawn(workers.run_dead_rank, (rank, self.up), f"gl-rank-{rank}")
 
     def exchange(self, world: int) -> None:
         """Collect every rank's bound addresses and send the table to the live ranks."""
@@ -60,29 +46,10 @@ class Ranks:
             down.put("close")
         return out
 
-    def close(self) -> None:
-        for down in self.downs.values():  # release ranks still waiting (a failed test)
-            down.put("close")
-        for p in self.procs:
-            p.join(JOIN_S)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(JOIN_S)
-        self.up.close()
-        for q in self.downs.values():
-            q.close()
-
 
 @pytest.fixture
 def ranks() -> Iterator[Ranks]:
-    r = Ranks()
-    try:
-        yield r
-    finally:
-        r.close()
-    codes = {p.name: p.exitcode for p in r.procs}
-    assert all(c == 0 for c in codes.values()), f"rank processes exited abnormally: {codes}"
+    yield from owned(Ranks(), "close")
 
 
 @pytest.mark.timeout(240)

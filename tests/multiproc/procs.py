@@ -1,0 +1,63 @@
+"""Spawned rank processes for the multi-process tests: queues, and clean-up that always runs.
+
+Every rank shares one ``up`` queue to the parent and has its own ``down`` queue. ``shutdown``
+releases ranks still waiting (a failed test), joins or kills every process and closes every
+queue; ``owned`` is the pytest fixture body that calls it and then fails on an abnormal exit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+CTX = mp.get_context("spawn")
+JOIN_S = 30.0
+
+
+class RankProcs:
+    """Spawned processes sharing one ``up`` queue, each rank with its own ``down`` queue."""
+
+    def __init__(self) -> None:
+        self.up: Any = CTX.Queue()
+        self.procs: list[Any] = []
+        self.downs: dict[int, Any] = {}
+
+    def down(self, rank: int) -> Any:
+        """A new ``down`` queue for ``rank``."""
+        q = self.downs[rank] = CTX.Queue()
+        return q
+
+    def spawn(self, target: Any, args: tuple, name: str) -> None:
+        """Start ``target(*args)`` in a daemon process named ``name``."""
+        p = CTX.Process(target=target, args=args, name=name, daemon=True)
+        p.start()
+        self.procs.append(p)
+
+    def shutdown(self, message: Any) -> None:
+        """Send ``message`` to every rank, then join (or kill) every process; close the queues."""
+        for q in self.downs.values():
+            q.put(message)
+        for p in self.procs:
+            p.join(JOIN_S)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(JOIN_S)
+        self.up.close()
+        for q in self.downs.values():
+            q.close()
+
+
+P = TypeVar("P", bound=RankProcs)
+
+
+def owned(procs: P, message: Any) -> Iterator[P]:
+    """Fixture body: yield ``procs``, shut them down with ``message`` whatever happened, and
+    fail if a rank process exited abnormally."""
+    try:
+        yield procs
+    finally:
+        procs.shutdown(message)
+    codes = {p.name: p.exitcode for p in procs.procs}
+    assert all(c == 0 for c in codes.values()), f"rank processes exited abnormally: {codes}"
