@@ -103,7 +103,7 @@ class DaemonConfig:
     """Largest shared-memory segment a trainer may name."""
     rendezvous_timeout_s: float = 300.0
     """How long to wait for the other daemons' addresses."""
-    transport: TransportConfig = field(default_factory=loopback_config)
+    transport: TransportConfig = field(default_factory=lambda: loopback_config(n_paths=1))
     """The inter-host engine's settings (``[transport]``; ``job``/``secret`` come from here)."""
 
     def __post_init__(self) -> None:

@@ -325,13 +325,9 @@ class DaemonClient:
             log.error("rank %d: %s", self.rank, text)
             self._welcomed.clear()
             self._lost_at = time.monotonic()
-            for req in list(self._inflight.values()):
-                self._finish(
-                    req,
-                    error=TransferFailed(
-                        f"{text}; step {req.step} bucket {req.bucket} was in flight"
-                    ),
-                )
+            # Everything submitted before now was meant for the daemon that is gone: it fails
+            # (sent or still queued); what is submitted from now on waits for a new daemon.
+            self._fail_everything(f"{text}; it was in flight")
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
@@ -490,6 +486,7 @@ class DaemonClient:
             )
 
     def _fail_everything(self, text: str) -> None:
+        """Fail every submission: sent, waiting, or still queued (a close request stays)."""
         for req in list(self._inflight.values()):
             self._finish(req, error=TransferFailed(f"{text}: step {req.step} bucket {req.bucket}"))
         for req in self._waiting:
@@ -503,7 +500,10 @@ class DaemonClient:
                 item = self._requests.get_nowait()
             except queue.Empty:
                 return
-            if item is not None and item.fut.set_running_or_notify_cancel():
+            if item is None:  # close() asked: keep the request for the loop
+                self._requests.put(None)
+                return
+            if item.fut.set_running_or_notify_cancel():
                 item.fut.set_exception(
                     TransferFailed(f"{text}: step {item.step} bucket {item.bucket}")
                 )
