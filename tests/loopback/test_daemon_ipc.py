@@ -25,9 +25,9 @@ import zmq
 
 from scheduling.loss import LossConfig
 from transport import ipc
+from transport.config import loopback_config
 from transport.daemon import Daemon, DaemonError
 from transport.daemon_config import DaemonConfig
-from transport.config import loopback_config
 from transport.ipc_client import DaemonClient, DaemonUnavailable
 from transport.shm import Segment
 
@@ -198,7 +198,7 @@ def test_sigterm_drain_fails_what_is_filling_and_removes_everything(host: Host):
     filling = a.submit(1, 0, np.ones(100, dtype=np.float32))
     d.stop()  # what SIGTERM does
     assert d.wait(WAIT_S)
-    with pytest.raises(Exception, match="shutting down|disconnected"):
+    with pytest.raises(Exception, match=r"shutting down|disconnected"):
         filling.result(WAIT_S)
     assert host.leftovers() == []
 
