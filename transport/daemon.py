@@ -118,7 +118,8 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig, rendezvous: Rendezvous | None = None) -> None:
         self.config = cfg = config
-        self.generation = time.time_ns() & ((1 << 63) - 1)
+        # Start time in µs: unique per start, and exact as a Prometheus float (< 2**53).
+        self.generation = time.time_ns() // 1000
         self.prefix = f"gradlane-{cfg.job}-h{cfg.host_rank}-{self.generation:x}"
         self.endpoint = f"ipc://{cfg.socket_path}"
         self.metrics = Registry()
