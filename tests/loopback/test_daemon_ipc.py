@@ -129,6 +129,7 @@ def test_trainers_may_start_before_the_daemon(host: Host):
 
 def test_second_daemon_on_the_same_socket_is_refused(host: Host):
     host.daemon()
+    assert os.stat(host.socket).st_mode & 0o777 == 0o600  # only this user may connect
     with pytest.raises(DaemonError, match="already serves"):
         host.daemon()
     _pair_step([host.client(0), host.client(1)], 0)  # the first one keeps serving
