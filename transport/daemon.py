@@ -60,6 +60,7 @@ from transport.metrics import MetricsServer, Registry
 from transport.packet import ITEMSIZE, DType
 from transport.rendezvous import Rendezvous, StaticPeers
 from transport.shm import Segment, SegmentError, remove_prefix
+from transport.waker import Waker
 
 __all__ = ["Daemon", "DaemonError"]
 
@@ -131,9 +132,7 @@ class Daemon:
         self._engine: Engine | None = None
         self._server: MetricsServer | None = None
         self._thread: threading.Thread | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._waker = Waker()
         self._done: collections.deque[tuple[_Slot, concurrent.futures.Future[Any]]] = (
             collections.deque()
         )
@@ -188,8 +187,7 @@ class Daemon:
     def stop(self) -> None:
         """Ask the loop to drain and stop (safe from a signal handler or any thread)."""
         self._stopping.set()
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"s")
+        self._waker.wake()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the daemon has stopped and cleaned up; True if it has."""
@@ -280,9 +278,7 @@ class Daemon:
                 os.unlink(self.config.socket_path + ".lock")
             os.close(self._lock_fd)
             self._lock_fd = None
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._waker.close()
         self._stopped.set()
 
     # -- the loop --------------------------------------------------------------------------------
@@ -302,7 +298,7 @@ class Daemon:
         assert router is not None
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         while not self._stopping.is_set():
             due = min((s.deadline for s in self._slots.values() if not s.launched), default=None)
             timeout = POLL_MS
@@ -311,8 +307,8 @@ class Daemon:
             events = dict(poller.poll(timeout))
             if router in events:
                 self._read(router)
-            if self._wake_r in events:
-                self._drain_wake()
+            if self._waker.fd in events:
+                self._waker.drain()
             self._completions()
             self._expire(time.monotonic())
             self._refresh_gauges()
@@ -324,11 +320,6 @@ class Daemon:
             except zmq.Again:
                 return
             self._handle(frames)
-
-    def _drain_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            while os.read(self._wake_r, 4096):
-                pass
 
     def _drain(self) -> None:
         """After stop(): fail what has not started, let running collectives finish (bounded)."""
@@ -346,7 +337,7 @@ class Daemon:
                 r = self._router
                 if r is not None and r.poll(50, zmq.POLLIN):
                     self._read(r)  # answered with FAIL: shutting down
-            self._drain_wake()
+            self._waker.drain()
             self._completions()
         self._fail_all(f"the gradlane daemon of host {self.config.host_rank} shut down")
 
@@ -575,8 +566,7 @@ class Daemon:
 
         def done(f: concurrent.futures.Future[Any]) -> None:  # engine thread: hand over
             self._done.append((slot, f))
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, b"d")
+            self._waker.wake()
 
         fut.add_done_callback(done)
 

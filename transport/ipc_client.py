@@ -47,6 +47,7 @@ from transport.errors import ConfigError, GradlaneError, TransferFailed
 from transport.events import CollectiveReport
 from transport.packet import ITEMSIZE
 from transport.shm import Segment
+from transport.waker import Waker
 
 __all__ = ["DaemonClient", "DaemonUnavailable"]
 
@@ -105,9 +106,7 @@ class DaemonClient:
         self.request_timeout_s = request_timeout_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._waker = Waker()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -156,12 +155,10 @@ class DaemonClient:
                 return
             self._closed = True
         self._requests.put(None)
-        self._wake()
+        self._waker.wake()
         if self._thread is not None:
             self._thread.join(10.0)
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._waker.close()
 
     def __enter__(self) -> DaemonClient:
         return self.start()
@@ -222,7 +219,7 @@ class DaemonClient:
                 )
                 return fut
             self._requests.put(req)
-        self._wake()
+        self._waker.wake()
         return fut
 
     def stats(self) -> dict[str, Any]:
@@ -237,10 +234,6 @@ class DaemonClient:
         }
 
     # -- I/O thread ------------------------------------------------------------------------------
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"w")
-
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -251,7 +244,7 @@ class DaemonClient:
         poller = zmq.Poller()
         for s in (sock, monitor):
             poller.register(s, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         try:
             while self._loop_once(sock, monitor, poller):
                 pass
@@ -285,9 +278,8 @@ class DaemonClient:
         if sock in events:
             while sock.poll(0):
                 self._on_message(sock.recv_multipart())
-        if self._wake_r in events:
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.read(self._wake_r, 4096)
+        if self._waker.fd in events:
+            self._waker.drain()
         while True:
             try:
                 req = self._requests.get_nowait()
