@@ -20,7 +20,8 @@ The connection has a lifecycle of its own, read from the socket monitor:
   waiting submissions go to the new daemon: training continues.
 
 Every wait is bounded: :meth:`start` by ``connect_timeout_s`` (then a clear "no gradlane daemon
-at ipc://... (start `gradlane daemon ...`)"), each submission by ``request_timeout_s``.
+at ipc://... (start `gradlane daemon ...`)"), each submission by ``request_timeout_s``, and
+while the daemon is gone a submission waits for a new one at most ``connect_timeout_s``.
 """
 
 from __future__ import annotations
@@ -120,7 +121,6 @@ class DaemonClient:
         self._segments: dict[int, list[list[Any]]] = {}
         self._inflight: dict[tuple[int, int], _Request] = {}
         self._waiting: list[_Request] = []
-        self._hard_deadline_s = request_timeout_s
         self._lost_at: float | None = None  # when the daemon disconnected (None: connected)
         self.counters = {"submitted": 0, "done": 0, "failed": 0, "reconnects": 0, "rejected": 0}
 
@@ -342,7 +342,6 @@ class DaemonClient:
                         seg.unlink()
                 self._segments.clear()
             self.generation, self.host, self._prefix = msg["generation"], msg["host"], msg["prefix"]
-            self._hard_deadline_s = msg["hard_deadline_s"]
             self._lost_at = None
             self._welcomed.set()
         elif kind in ("DONE", "FAIL"):
@@ -449,9 +448,10 @@ class DaemonClient:
             req.fut.set_result(result)  # type: ignore[arg-type]
 
     def _expire(self, now: float) -> None:
-        if self._lost_at is not None and now - self._lost_at > self._hard_deadline_s:
-            # The daemon went away and has not come back within its hard deadline: what waits
-            # for it fails now (a restarted daemon later serves the steps that follow).
+        if self._lost_at is not None and now - self._lost_at > self.connect_timeout_s:
+            # The daemon went away and has not come back within connect_timeout_s (as long as
+            # a trainer waits for a daemon at start): what waits for it fails now; a daemon
+            # that comes back later serves the steps that follow.
             for req in self._waiting:
                 req.deadline = min(req.deadline, now)
         for req in [r for r in self._waiting if r.deadline <= now]:

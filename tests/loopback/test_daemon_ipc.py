@@ -13,6 +13,8 @@ import glob
 import os
 import select
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -62,19 +64,26 @@ class Host:
         self.clients.append(c)
         return c.start() if start else c
 
-    def process(self) -> subprocess.Popen[str]:
-        """A ``gradlane daemon`` process on this socket; returns once it says it is ready."""
+    def process(self, *extra: str, socket: str = "", wait: bool = True) -> subprocess.Popen[str]:
+        """A ``gradlane daemon`` process (on this host's socket, 2 local ranks, unless ``extra``
+        flags say otherwise); with ``wait``, returns once it says it is ready."""
         cmd = [sys.executable, "-m", "integrations.cli", "daemon", "--job", str(self.job),
-               "--socket", self.socket, "--local-world", "2", "--metrics", "",
-               "--log-level", "WARNING"]  # fmt: skip
+               "--socket", socket or self.socket, "--local-world", "2", "--metrics", "",
+               "--log-level", "WARNING", *extra]  # fmt: skip
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
         self.procs.append(p)
+        if wait:
+            self.ready(p)
+        return p
+
+    @staticmethod
+    def ready(p: subprocess.Popen[str]) -> None:
+        """Wait (bounded) for the daemon's ready line."""
         assert p.stdout is not None
         ready, _, _ = select.select([p.stdout], [], [], WAIT_S)
         line = p.stdout.readline() if ready else ""
         assert "gradlane daemon: ready" in line, line
-        return p
 
     def leftovers(self) -> list[str]:
         return glob.glob(f"/dev/shm/gradlane-{self.job}-*") + os.listdir(self.dir)
@@ -217,3 +226,33 @@ def test_restarted_daemon_fails_in_flight_steps_then_serves_the_next(host: Host)
     host.process()  # the stale socket and lock of the killed one are taken over
     _pair_step([a, b], 2)  # submissions wait for the new daemon's WELCOME, then go through
     assert a.generation != gen and a.generation == b.generation
+
+
+def test_two_daemons_meet_in_a_tcpstore(host: Host):
+    port = _free_tcp_port()
+    sockets = [os.path.join(host.dir, f"h{h}.sock") for h in range(2)]
+    # Host 1 first: it waits for host 0, which serves the store.
+    procs = [
+        host.process("--hosts", "2", "--host-rank", str(h), "--local-world", "1",
+                     "--path", f"127.0.0.{h + 1}", "--rendezvous", "store",
+                     "--store", f"127.0.0.1:{port}", socket=sockets[h], wait=False)
+        for h in (1, 0)
+    ]  # fmt: skip
+    for p in procs:
+        host.ready(p)
+    clients = []
+    for h in range(2):
+        c = DaemonClient(sockets[h], job=host.job, rank=h, world=2, local_rank=0, local_world=1)
+        host.clients.append(c)
+        clients.append(c.start())
+    _pair_step(clients, 0)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(WAIT_S) == 0
+    assert host.leftovers() == []
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
