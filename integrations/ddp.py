@@ -38,6 +38,10 @@ autograd thread) and submits, and, on completion, a non-blocking host-to-device 
 stream; the Future is created with the bucket's device, so DDP's wait orders its stream after
 that copy. The next step reuses the pinned buffer only after DDP has waited on this Future.
 
+In daemon mode (``mode="daemon"`` or ``GRADLANE_MODE=daemon``) the data plane is a
+:class:`~transport.ipc_client.DaemonClient`: the host's ``gradlane daemon`` sums the host's
+ranks and runs the inter-host all-reduce; the hook itself is unchanged.
+
 One state serves one DDP instance. Per-step statistics (:class:`StepStats`) are kept by the
 state (:meth:`GradlaneState.stats`) and logged every ``log_every`` steps.
 """
