@@ -27,10 +27,12 @@ import zmq
 
 from scheduling.loss import LossConfig
 from transport import ipc
+from transport.allreduce import from_f32
 from transport.config import loopback_config
 from transport.daemon import Daemon, DaemonError
 from transport.daemon_config import DaemonConfig
 from transport.ipc_client import DaemonClient, DaemonUnavailable
+from transport.packet import DType
 from transport.shm import Segment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -256,3 +258,25 @@ def _free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_buckets_are_summed_in_float32_and_rounded_once(host: Host, dtype: str):
+    host.daemon()
+    a, b = host.client(0), host.client(1)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(5000).astype(np.float32) for _ in range(2)]
+    if dtype == "float16":
+        words, wire = [x.astype(np.float16) for x in xs], None
+        ref = (words[0].astype(np.float32) + words[1].astype(np.float32)).astype(np.float16)
+    else:
+        words = [(x.view(np.uint32) >> 16).astype(np.uint16) for x in xs]
+        wire = DType.BF16
+        total = sum((w.astype(np.uint32) << 16).view(np.float32) for w in words)
+        ref = np.empty(5000, dtype=np.uint16)
+        from_f32(total, DType.BF16, ref)
+    futs = [c.submit(0, 0, w.copy(), dtype=wire) for c, w in zip((a, b), words, strict=True)]
+    for f in futs:
+        result, _ = f.result(WAIT_S)
+        assert result.dtype == words[0].dtype
+        np.testing.assert_array_equal(result, ref)
