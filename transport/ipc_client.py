@@ -469,6 +469,14 @@ class DaemonClient:
                     )
                 )
         for req in [r for r in self._inflight.values() if r.deadline <= now]:
+            if req.seg is not None:
+                # A slow daemon may still write this segment later: never reuse it.
+                segs = self._segments.get(req.bucket, [])
+                if req.seg in segs:
+                    segs.remove(req.seg)
+                req.seg[0].close()
+                req.seg[0].unlink()
+                req.seg = None
             self._finish(
                 req,
                 error=TransferFailed(

@@ -280,3 +280,19 @@ def test_16_bit_buckets_are_summed_in_float32_and_rounded_once(host: Host, dtype
         result, _ = f.result(WAIT_S)
         assert result.dtype == words[0].dtype
         np.testing.assert_array_equal(result, ref)
+
+
+def test_a_hung_daemon_fails_submissions_at_the_request_timeout(host: Host):
+    p = host.process()
+    a = host.client(0, request_timeout_s=0.5)
+    b = host.client(1, request_timeout_s=0.5)
+    _pair_step([a, b], 0)
+    p.send_signal(signal.SIGSTOP)
+    try:
+        futs = [c.submit(1, 0, np.ones(10, dtype=np.float32)) for c in (a, b)]
+        for f in futs:
+            with pytest.raises(Exception, match=r"did not answer step 1 bucket 0 within 0.5s"):
+                f.result(WAIT_S)
+    finally:
+        p.send_signal(signal.SIGCONT)
+    _pair_step([a, b], 2)  # once it runs again, fresh segments carry the next step
