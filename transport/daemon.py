@@ -145,7 +145,9 @@ class Daemon:
         self._stopped = threading.Event()
         self._gauges_at = 0.0
         self._running = 0
+        self._served = 0  # collectives completed by the current engine
         self.bound: list[tuple[str, int]] = []
+        self._peers: StaticPeers | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> Daemon:
@@ -241,18 +243,23 @@ class Daemon:
         self._router = sock
 
     def _start_engine(self) -> None:
+        """Bind the engine, then learn every daemon's addresses (the static list, or the
+        store: each daemon publishes its own and waits for the others')."""
         cfg = self.config
         rdv = self._rendezvous
         if rdv is None and cfg.hosts > 1:
             rdv = StaticPeers(cfg.peer_table())
-        eng = Engine(cfg.host_rank, cfg.hosts, cfg.transport, local_addrs=cfg.local_addrs())
-        self._engine = eng
+        eng = self._engine = Engine(
+            cfg.host_rank, cfg.hosts, cfg.transport, local_addrs=self.bound or cfg.local_addrs()
+        )
         self.bound = eng.start()
         if rdv is None:  # one host: the engine's peer table is itself
             rdv = StaticPeers({0: self.bound})
         elif not isinstance(rdv, StaticPeers):
             rdv.publish(cfg.host_rank, self.bound)
-        eng.set_peers(rdv)
+        self._peers = StaticPeers({h: rdv.addresses(h) for h in range(cfg.hosts)})
+        self._rendezvous = self._peers  # a restarted engine binds the same addresses
+        eng.set_peers(self._peers)
 
     def _cleanup(self) -> None:
         if self._engine is not None:
@@ -403,6 +410,9 @@ class Daemon:
                 msg["pid"],
             )
             self._forget(old)
+        if identity not in self._ranks:
+            self._new_session_check(lw)
+            lw = self._local_world
         prefix = f"{self.prefix}-l{lr}-"
         if identity not in self._ranks:
             self._ranks[identity] = _Rank(
@@ -426,6 +436,26 @@ class Daemon:
             prefix=prefix,
             hard_deadline_s=float(cfg.transport.loss.hard_deadline_s),
         )
+
+    def _new_session_check(self, local_world: int) -> None:
+        """A trainer arrives and no trainer of this host is alive: a new session (a new job, or
+        torchrun restarting its workers) counts its steps from 0 again, while the engine only
+        accepts steps near the newest it has seen. Start a fresh engine on the same addresses
+        (the other daemons' peer tables stay valid); their engines do the same when their own
+        trainers arrive, and what one sends before the other has reset is retransmitted."""
+        for dead in [r for r in self._ranks.values() if not _alive(r.pid)]:
+            del self._ranks[dead.identity]
+            self._forget(dead)
+        if self._ranks or not self._served:
+            return
+        log.info("daemon: a new trainer session; restarting the engine on %s", self.bound)
+        self._fail_all(f"the trainers of host {self.config.host_rank} restarted")
+        if self._engine is not None:
+            self._engine.close(drain_s=0.0)
+            self._engine = None
+        self._start_engine()
+        self._served = 0
+        self._local_world = self.config.local_world or local_world
 
     def _on_bye(self, identity: bytes, msg: dict[str, Any]) -> None:
         r = self._ranks.pop(identity, None)
@@ -607,6 +637,7 @@ class Daemon:
                         report=ipc.report_to_wire(report),
                     )
                 self._observe(slot, report, now)
+                self._served += 1
             if slot.buffer is not None:
                 self._give(slot.buffer)
 

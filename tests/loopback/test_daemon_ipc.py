@@ -231,7 +231,7 @@ def test_restarted_daemon_fails_in_flight_steps_then_serves_the_next(host: Host)
 
 
 def test_two_daemons_meet_in_a_tcpstore(host: Host):
-    port = _free_tcp_port()
+    port = _free_port("127.0.0.1")
     sockets = [os.path.join(host.dir, f"h{h}.sock") for h in range(2)]
     # Host 1 first: it waits for host 0, which serves the store.
     procs = [
@@ -252,12 +252,6 @@ def test_two_daemons_meet_in_a_tcpstore(host: Host):
         p.send_signal(signal.SIGTERM)
         assert p.wait(WAIT_S) == 0
     assert host.leftovers() == []
-
-
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -296,3 +290,46 @@ def test_a_hung_daemon_fails_submissions_at_the_request_timeout(host: Host):
     finally:
         p.send_signal(signal.SIGCONT)
     _pair_step([a, b], 2)  # once it runs again, fresh segments carry the next step
+
+
+def test_a_new_trainer_session_counts_steps_from_zero_again(host: Host):
+    """Two daemons (hosts) that outlive a job: the next job's steps start at 0 again, far
+    behind the newest step their engines saw (the window is 4 steps here)."""
+    ports = [_free_port(f"127.0.0.{h + 1}", socket.SOCK_DGRAM) for h in range(2)]
+    paths = [f"127.0.0.{h + 1}:{p}" for h, p in enumerate(ports)]
+    sockets = [os.path.join(host.dir, f"h{h}.sock") for h in range(2)]
+    for h in range(2):
+        cfg = DaemonConfig(
+            job=host.job,
+            host_rank=h,
+            hosts=2,
+            socket=sockets[h],
+            paths=(paths[h],),
+            peers=((paths[0],), (paths[1],)),
+            local_world=1,
+            metrics="",
+            transport=loopback_config(n_paths=1, step_window=4),
+        )
+        host.daemons.append(Daemon(cfg).start())
+
+    def session(steps: range) -> None:
+        clients = [DaemonClient(sockets[h], job=host.job, rank=h, world=2, local_rank=0,
+                                local_world=1).start() for h in range(2)]  # fmt: skip
+        try:
+            for step in steps:
+                xs = [np.full(64, h + 1.0, dtype=np.float32) for h in range(2)]
+                futs = [c.submit(step, 0, x) for c, x in zip(clients, xs, strict=True)]
+                for f in futs:
+                    assert (f.result(WAIT_S)[0] == 3.0).all()
+        finally:
+            for c in clients:
+                c.close()
+
+    session(range(12))
+    session(range(3))  # a new job on the same daemons
+
+
+def _free_port(host: str, kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
