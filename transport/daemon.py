@@ -28,8 +28,10 @@ timeout set by the earliest slot deadline. Failures stay local and named:
   collectives already running finish (bounded by the hard deadline); then the socket, its lock
   file and every shared-memory segment of this daemon's generation are removed.
 
-A restarted daemon has a new ``generation`` (its start time in ns); trainers notice the
-reconnect, fail what was in flight with a clear error, say HELLO again and continue.
+A restarted daemon has a new ``generation`` (its start time in µs); trainers notice the
+reconnect, fail what was in flight with a clear error, say HELLO again and continue. A daemon
+outlives jobs: when a trainer arrives and none of the earlier ones is alive, it restarts its
+engine on the same addresses, so the new session's steps may start from 0 again.
 """
 
 from __future__ import annotations
