@@ -22,6 +22,9 @@ from integrations.ddp import GradlaneState, HookConfig, gradlane_hook
 from tests.multiproc.ddp_workers import BUCKET_CAP_MB, WAIT_S, _batch, _loss, reliable, run_rank
 
 LOCAL_WORLD = 2
+#: The daemons are up before the ranks start; after a daemon is gone, a step waits this long
+#: for a new one before it fails.
+CONNECT_S = 15.0
 
 
 def rank_main(scenario: str, rank: int, world: int, port: int, args: dict, up: Any, down: Any):
@@ -36,7 +39,7 @@ def _daemon_state(
         mode="daemon",
         daemon_socket=args["sockets"][rank // LOCAL_WORLD],
         log_every=0,
-        connect_timeout_s=WAIT_S,
+        connect_timeout_s=CONNECT_S,
     )
     cfg = dataclasses.replace(reliable(hard), job=args["job"])
     return GradlaneState(
