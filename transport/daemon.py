@@ -127,6 +127,8 @@ class Daemon:
         self.endpoint = f"ipc://{cfg.socket_path}"
         self.metrics = Registry()
         self._declare_metrics()
+        # Kept for the daemon's life: host 0's TCPStore server lives in it, and the other
+        # daemons may still be reading their peers' addresses from it.
         self._rendezvous = rendezvous
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router: zmq.Socket | None = None
@@ -248,7 +250,8 @@ class Daemon:
         """Bind the engine, then learn every daemon's addresses (the static list, or the
         store: each daemon publishes its own and waits for the others')."""
         cfg = self.config
-        rdv = self._rendezvous
+        # A restarted engine binds the same addresses, so the table learned first stays valid.
+        rdv: Rendezvous | None = self._peers or self._rendezvous
         if rdv is None and cfg.hosts > 1:
             rdv = StaticPeers(cfg.peer_table())
         eng = self._engine = Engine(
@@ -260,7 +263,6 @@ class Daemon:
         elif not isinstance(rdv, StaticPeers):
             rdv.publish(cfg.host_rank, self.bound)
         self._peers = StaticPeers({h: rdv.addresses(h) for h in range(cfg.hosts)})
-        self._rendezvous = self._peers  # a restarted engine binds the same addresses
         eng.set_peers(self._peers)
 
     def _cleanup(self) -> None:
