@@ -4,6 +4,13 @@ Usage::
 
     python -m bench.allreduce --ranks 2,4 --sizes 1,25,100 --reps 5 --json out.json
     python -m bench.allreduce --quick --json /tmp/ar.json     # 2 ranks, 1 and 25 MB, 3 reps
+    python -m bench.allreduce --daemon --json bench/results/allreduce_daemon.json
+
+``--daemon`` compares hierarchical daemon mode with the embedded engine for the same 4-rank
+all-reduce: two "hosts" of two ranks, one ``gradlane daemon`` process per host (host h on
+127.0.0.(h+1), one path each), every rank submitting through its host's daemon (shared memory,
+local sum, the inter-host all-reduce among the daemons); against the embedded reliable UDP
+engine in the same rank processes, interleaved. The JSON summary gets ``daemon_vs_embedded``.
 
 For each rank count the parent spawns one process per rank. Rank 0 hosts a ``TCPStore`` on
 127.0.0.1 (a free port); the gloo group is built on it and the same store carries every rank's
@@ -26,8 +33,13 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import select
+import shutil
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any
@@ -35,12 +47,16 @@ from typing import Any
 import numpy as np
 
 MB = 1 << 20
-TRANSPORTS = ("gloo", "udp_reliable", "udp_bounded", "zmq")
+TRANSPORTS = ("gloo", "udp_reliable", "udp_bounded", "zmq", "daemon")
 SUMMARY_KEYS = {
     "udp_reliable": "udp_reliable_vs_gloo",
     "udp_bounded": "udp_bounded_vs_gloo",
     "zmq": "zmq_vs_gloo",
+    "daemon": "daemon_vs_gloo",
 }
+#: Daemon mode: hosts (daemons) and the job token they serve.
+HOSTS = 2
+DAEMON_JOB = 4242
 N_PATHS = 2
 HARD_DEADLINE_S = 120.0
 RTOL = 1e-5
@@ -82,7 +98,12 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
     closers: list[Any] = []
     try:
         engines: dict[str, Any] = {}
-        for name, bound in (("udp_reliable", 0.0), ("udp_bounded", 0.02)):
+        kinds = (
+            (("udp_reliable", 0.0),)
+            if args["daemon"]
+            else (("udp_reliable", 0.0), ("udp_bounded", 0.02))
+        )
+        for name, bound in kinds:
             e = Engine(rank, world, _udp_config(bound))
             closers.append(e)
             store.set(f"gl/{name}/{rank}", json.dumps(e.start()))
@@ -96,7 +117,22 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
                 r: [tuple(a) for a in json.loads(store.get(f"gl/{name}/{r}"))] for r in range(world)
             }
             e.set_peers(StaticPeers(table))
-        if args["zmq"]:
+        if args["daemon"]:
+            from transport.ipc_client import DaemonClient
+
+            local = world // HOSTS
+            client = DaemonClient(
+                args["daemon"][rank // local],
+                job=DAEMON_JOB,
+                rank=rank,
+                world=world,
+                local_rank=rank % local,
+                local_world=local,
+                request_timeout_s=HARD_DEADLINE_S * 2,
+            )
+            closers.append(client)
+            engines["daemon"] = client.start()
+        elif args["zmq"]:
             eps = [json.loads(store.get(f"gl/zmq/{r}")) for r in range(world)]
             plane = ZmqDataPlane(rank, world, zmq_config(n_paths=N_PATHS), eps)
             closers.append(plane)
@@ -207,8 +243,80 @@ def _check(
 
 
 # -- parent ----------------------------------------------------------------------------------------
+class _Daemons:
+    """``HOSTS`` ``gradlane daemon`` processes (host h on 127.0.0.(h+1)), for ``--daemon``."""
+
+    def __init__(self, world: int, timeout: float) -> None:
+        self.dir = tempfile.mkdtemp(prefix="gl-bench-")
+        self.sockets = [os.path.join(self.dir, f"h{h}.sock") for h in range(HOSTS)]
+        paths = [
+            f"127.0.0.{h + 1}:{_free_port(f'127.0.0.{h + 1}', socket.SOCK_DGRAM)}"
+            for h in range(HOSTS)
+        ]
+        self.procs: list[subprocess.Popen[str]] = []
+        try:
+            for h in range(HOSTS):
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "integrations.cli",
+                    "daemon",
+                    "--job",
+                    str(DAEMON_JOB),
+                    "--host-rank",
+                    str(h),
+                    "--hosts",
+                    str(HOSTS),
+                    "--socket",
+                    self.sockets[h],
+                    "--path",
+                    paths[h],
+                    "--peers",
+                    ";".join(paths),
+                    "--local-world",
+                    str(world // HOSTS),
+                    "--hard-deadline",
+                    str(HARD_DEADLINE_S),
+                    "--metrics",
+                    "",
+                    "--log-level",
+                    "WARNING",
+                ]
+                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+                self.procs.append(p)
+                assert p.stdout is not None
+                ready, _, _ = select.select([p.stdout], [], [], timeout)
+                line = p.stdout.readline() if ready else ""
+                if "gradlane daemon: ready" not in line:
+                    raise RuntimeError(f"daemon {h} did not start: {line!r}")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """SIGTERM every daemon (kill if it does not exit), remove the socket directory."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(HARD_DEADLINE_S + 30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(30)
+            if p.stdout is not None:
+                p.stdout.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def run_world(world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Spawn ``world`` rank processes, wait (bounded) for rank 0's results, clean up every one."""
+    if args["daemon"] is True:
+        daemons = _Daemons(world, args["timeout"])
+        try:
+            return run_world(world, {**args, "daemon": daemons.sockets})
+        finally:
+            daemons.close()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -260,6 +368,7 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Rows per (transport, ranks, MB) with median/p99 and the ratio to gloo; the summary maps."""
     rows: list[dict[str, Any]] = []
     summary: dict[str, dict[str, float]] = {k: {} for k in SUMMARY_KEYS.values()}
+    summary["daemon_vs_embedded"] = {}
     for world, out in per_world.items():
         times = out["times"]
         for t, by_mb in times.items():
@@ -280,6 +389,10 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 if t != "gloo":
                     row["check"] = out["checks"][t][mb_key]
                     summary[SUMMARY_KEYS[t]][f"{world}x{mb:g}"] = row["ratio_to_gloo"]
+                if t == "daemon":
+                    emb = float(np.median(times["udp_reliable"][mb_key]))
+                    row["ratio_to_embedded"] = med / emb
+                    summary["daemon_vs_embedded"][f"{world}x{mb:g}"] = med / emb
                 rows.append(row)
     return {"rows": rows, "summary": summary}
 
@@ -321,15 +434,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-zmq", action="store_true", help="skip the ZeroMQ data plane")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per rank count")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--daemon",
+        action="store_true",
+        help="daemon mode (2 hosts x ranks/2) against the embedded engine; default --ranks 4",
+    )
     ns = ap.parse_args(argv)
     if ns.quick:
         ns.ranks, ns.sizes, ns.reps = "2", "1,25", 3
+    if ns.daemon and ns.ranks == "2,4":
+        ns.ranks = "4"
     ranks = [int(x) for x in ns.ranks.split(",")]
     sizes = [float(x) for x in ns.sizes.split(",")]
     if ns.reps < 1 or any(r < 2 for r in ranks) or any(s <= 0 for s in sizes):
         ap.error("need --reps >= 1, rank counts >= 2 and positive sizes")
+    if ns.daemon and any(r % HOSTS for r in ranks):
+        ap.error(f"--daemon splits the ranks over {HOSTS} hosts: give even rank counts")
     args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,
-            "zmq": not ns.no_zmq}  # fmt: skip
+            "zmq": not ns.no_zmq, "daemon": ns.daemon}  # fmt: skip
     per_world: dict[int, dict[str, Any]] = {}
     for world in ranks:
         t0 = time.monotonic()
@@ -338,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     report = summarize(per_world)
     failed = [r for r in report["rows"] if "check" in r and not r["check"]["ok_all_ranks"]]
     print(table(report["rows"]))
+    if ns.daemon:
+        ratios = ", ".join(
+            f"{k}: {v:.2f}" for k, v in report["summary"]["daemon_vs_embedded"].items()
+        )
+        print(f"daemon mode / embedded engine (ranks x MB): {ratios}")
     if ns.json:
         doc = {
             "config": {

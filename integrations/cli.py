@@ -23,6 +23,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "side by side (--network sim: the simulated leaf-spine)",
     ),
     "netsim": ("bench.netsim_scenarios", "all-reduce scenarios on the simulated network"),
+    "daemon": (
+        "integrations.daemon_cli",
+        "run this host's transport daemon (trainers connect with GRADLANE_MODE=daemon)",
+    ),
+    "stats": ("integrations.stats_cli", "print a gradlane daemon's metrics"),
 }
 
 

@@ -38,6 +38,10 @@ autograd thread) and submits, and, on completion, a non-blocking host-to-device 
 stream; the Future is created with the bucket's device, so DDP's wait orders its stream after
 that copy. The next step reuses the pinned buffer only after DDP has waited on this Future.
 
+In daemon mode (``mode="daemon"`` or ``GRADLANE_MODE=daemon``) the data plane is a
+:class:`~transport.ipc_client.DaemonClient`: the host's ``gradlane daemon`` sums the host's
+ranks and runs the inter-host all-reduce; the hook itself is unchanged.
+
 One state serves one DDP instance. Per-step statistics (:class:`StepStats`) are kept by the
 state (:meth:`GradlaneState.stats`) and logged every ``log_every`` steps.
 """
@@ -65,8 +69,10 @@ from integrations.buckets import BucketLayout, ParamOrder, numpy_view
 from integrations.rendezvous import DEFAULT_TIMEOUT_S, StoreRendezvous, is_loopback, local_hosts
 from scheduling.errors import ConfigError, GradlaneError
 from transport.config import TransportConfig, loopback_config
+from transport.daemon_config import default_socket
 from transport.engine import Engine
 from transport.events import CollectiveReport
+from transport.ipc_client import DaemonClient
 from transport.rendezvous import Rendezvous
 from transport.zmq_plane import ZmqDataPlane, zmq_config
 
@@ -85,6 +91,7 @@ log = logging.getLogger(__name__)
 #: ``GRADLANE_*`` variable is a :class:`~transport.config.TransportConfig` setting.
 HOOK_ENV_PREFIX = "GRADLANE_HOOK__"
 _TRANSPORTS = ("udp", "zmq")
+_MODES = ("embedded", "daemon")
 
 
 class HookError(GradlaneError):
@@ -114,6 +121,13 @@ class HookConfig:
     """How long to wait for the store and for every peer's addresses."""
     name: str = "default"
     """Names this job's gradlane states in the rendezvous store (with a per-process serial)."""
+    mode: str = "embedded"
+    """``embedded``: this process runs its own data plane; ``daemon``: buckets go to the host's
+    ``gradlane daemon`` over IPC (``GRADLANE_MODE=daemon`` works too)."""
+    daemon_socket: str = ""
+    """Daemon mode: the daemon's IPC socket ('' = /tmp/gradlane-<job>.sock)."""
+    connect_timeout_s: float = 60.0
+    """Daemon mode: how long to wait for the daemon at start (it may start after the trainers)."""
 
     def __post_init__(self) -> None:
         if self.transport not in _TRANSPORTS:
@@ -127,12 +141,18 @@ class HookConfig:
             raise ConfigError(f"rendezvous_timeout_s={self.rendezvous_timeout_s}: must be > 0")
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty name without '/'")
+        if self.mode not in _MODES:
+            raise ConfigError(f"mode={self.mode!r}: one of {', '.join(_MODES)} (GRADLANE_MODE)")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"connect_timeout_s={self.connect_timeout_s}: must be > 0")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HookConfig:
         """Build from ``GRADLANE_HOOK__*`` variables; unknown ones are an error naming them."""
         env = os.environ if environ is None else environ
         kwargs: dict[str, Any] = {}
+        if env.get("GRADLANE_MODE"):
+            kwargs["mode"] = env["GRADLANE_MODE"].strip()
         for var, raw in env.items():
             if not var.startswith(HOOK_ENV_PREFIX):
                 continue
@@ -159,6 +179,9 @@ _HOOK_ENV_PARSERS: dict[str, Any] = {
     "history": int,
     "rendezvous_timeout_s": float,
     "name": str.strip,
+    "mode": str.strip,
+    "daemon_socket": str.strip,
+    "connect_timeout_s": float,
 }
 
 
@@ -259,10 +282,17 @@ class GradlaneState:
         rendezvous: Rendezvous | None = None,
         model: torch.nn.Module | None = None,
         plane: Plane | None = None,
+        mode: str | None = None,
+        local_rank: int | None = None,
+        local_world: int | None = None,
     ) -> None:
         # -- who and how
-        self.config = hook = config or HookConfig()
+        hook = config or HookConfig()
+        if mode is not None and mode != hook.mode:
+            hook = dataclasses.replace(hook, mode=mode)
+        self.config = hook
         self.rank, self.world = _rank_and_world(rank, world)
+        self._local = (local_rank, local_world)
         if transport is None:
             transport = _default_transport(hook, os.environ.get("MASTER_ADDR"))
         self.transport = transport
@@ -311,12 +341,18 @@ class GradlaneState:
             TransportConfig.from_env(tenv, **transport_overrides),
             TransportConfig(),
         )
-        if not hook.hosts:  # resolved here, so that ``environ`` is the only source
+        embedded = hook.mode == "embedded"
+        if not hook.hosts and embedded:  # resolved here, so that ``environ`` is the only source
             hosts = local_hosts(transport.n_paths, master)
             hook = dataclasses.replace(hook, hosts=tuple(hosts))
         rank, world = _rank_and_world(rank, world, env)
-        if rendezvous is None and plane is None:
+        if rendezvous is None and plane is None and embedded:
             rendezvous = StoreRendezvous.from_env(environ=env, timeout_s=hook.rendezvous_timeout_s)
+        local_rank = local_world = None
+        if not embedded:  # torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, read from ``environ``
+            local_rank, local_world = _local_rank_and_world(
+                _int_or_none(env.get("LOCAL_RANK")), _int_or_none(env.get("LOCAL_WORLD_SIZE"))
+            )
         return cls(
             transport,
             hook,
@@ -325,11 +361,15 @@ class GradlaneState:
             rendezvous=rendezvous,
             model=model,
             plane=plane,
+            local_rank=local_rank,
+            local_world=local_world,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _start_plane(self, rendezvous: Rendezvous | None) -> Plane:
         hook, cfg = self.config, self.transport
+        if hook.mode == "daemon":
+            return self._connect_daemon()
         hosts = list(hook.hosts) or local_hosts(cfg.n_paths, os.environ.get("MASTER_ADDR"))
         if len(hosts) != cfg.n_paths:
             raise ConfigError(f"{len(hosts)} host(s) {hosts} for n_paths={cfg.n_paths}")
@@ -346,6 +386,25 @@ class GradlaneState:
         rdv.publish(self.rank, mine)
         endpoints = [[_tcp(h, p) for h, p in rdv.addresses(r)] for r in range(self.world)]
         return ZmqDataPlane(self.rank, self.world, cfg, endpoints).start()
+
+    def _connect_daemon(self) -> Plane:
+        """Daemon mode: the host's daemon is the data plane (waits for it, bounded)."""
+        hook, cfg = self.config, self.transport
+        local_rank, local_world = _local_rank_and_world(*self._local)
+        loss = cfg.loss
+        client = DaemonClient(
+            hook.daemon_socket or default_socket(cfg.job),
+            job=cfg.job,
+            rank=self.rank,
+            world=self.world,
+            local_rank=local_rank,
+            local_world=local_world,
+            connect_timeout_s=hook.connect_timeout_s,
+            # The daemon answers within its slot timeout plus its engine's hard deadline; this
+            # bound only catches a daemon that hangs without closing its socket.
+            request_timeout_s=2 * loss.hard_deadline_s + 10.0,
+        )
+        return client.start()
 
     def close(self) -> None:
         """Stop the data plane (in-flight buckets fail); later buckets fail with a clear error."""
@@ -596,7 +655,7 @@ class GradlaneState:
             out: dict[str, Any] = {
                 "rank": self.rank,
                 "world": self.world,
-                "transport": self.config.transport,
+                "transport": "daemon" if self.config.mode == "daemon" else self.config.transport,
                 "generation": self.generation,
                 "next_step": self.step,
                 **self._totals,
@@ -662,6 +721,28 @@ def _rank_and_world(
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not in a world of {world}")
     return rank, world
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return None if text is None else int(text)
+    except ValueError:
+        raise ConfigError(f"{text!r} is not an integer (LOCAL_RANK / LOCAL_WORLD_SIZE)") from None
+
+
+def _local_rank_and_world(local_rank: int | None, local_world: int | None) -> tuple[int, int]:
+    """This rank among its host's trainers: arguments, else ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``."""
+    try:
+        lr = int(os.environ["LOCAL_RANK"]) if local_rank is None else local_rank
+        lw = int(os.environ["LOCAL_WORLD_SIZE"]) if local_world is None else local_world
+    except (KeyError, ValueError):
+        raise ConfigError(
+            "daemon mode needs this rank's place on its host: set LOCAL_RANK and "
+            "LOCAL_WORLD_SIZE (torchrun does) or pass local_rank= and local_world="
+        ) from None
+    if not 0 <= lr < lw:
+        raise ConfigError(f"local rank {lr} is not in a host of {lw} ranks")
+    return lr, lw
 
 
 def _default_transport(hook: HookConfig, master_addr: str | None) -> TransportConfig:

@@ -225,13 +225,17 @@ class Engine:
         return fut
 
     def stats(self) -> dict[str, Any]:
-        """The endpoint's reject counters and totals plus the sockets' counters (``"udp"``)."""
+        """The endpoint's reject counters and totals, the sockets' counters (``"udp"``) and each
+        peer's path statistics (``"paths"``)."""
 
         def collect() -> dict[str, Any]:
             out = dict(self._core.endpoint.stats())
             out["udp"] = asdict(self._udp.counters)
             out["in_flight"] = self._core.in_flight
             out["injected_drops"] = self._injected_drops
+            # Per peer, per path: state, rate, RTT, loss EWMA, sent/acked/lost bytes.
+            sender = self._core.endpoint.sender
+            out["paths"] = {peer: ps.snapshot() for peer, ps in sender.paths.items()}
             return out
 
         return self._call(collect)

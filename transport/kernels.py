@@ -29,6 +29,7 @@ import numpy as np
 from transport import _kernels_hadamard as _had
 from transport import _kernels_pack as _pk
 from transport import _kernels_recv as _rx
+from transport import _kernels_sum as _sum
 from transport._kernels_common import (
     CONFIG,
     MAGIC_VERSION_WORD,
@@ -52,6 +53,7 @@ __all__ = [
     "chunk_norms",
     "hadamard_forward",
     "hadamard_inverse",
+    "local_sum",
     "pack",
     "place_into",
     "reduce_into",
@@ -534,3 +536,35 @@ def hadamard_inverse(x: np.ndarray, *, seed: int, block: int = 1024) -> None:
     arr, s, b = _hadamard_args(x, seed, block)
     if arr.shape[0]:
         _had.hadamard(arr, s, b, True)
+
+
+def local_sum(out: np.ndarray, srcs: list[np.ndarray], dtype: int) -> None:
+    """Sum the wire-word buckets ``srcs`` (the ranks of one host) into float32 ``out``.
+
+    ``srcs``: 1-D arrays of ``out``'s length, float32 (F32) or 16-bit words (F16/BF16), summed
+    in list order (exact IEEE float32, so the order fixes the result); at least one.
+    """
+    wire = _wire_dtype(dtype)
+    dst = _typed("out", out, np.float32, (np.asarray(out).shape[0],))
+    if not srcs:
+        raise ValueError("local_sum needs at least one source")
+    views = [_shard(f"srcs[{i}]", s, wire) for i, s in enumerate(srcs)]
+    for i, v in enumerate(views):
+        if v.shape[0] != dst.shape[0]:
+            raise ValueError(f"srcs[{i}] has {v.shape[0]} elements, out has {dst.shape[0]}")
+    if wire == DType.F32:
+        f32 = [v.view(np.float32) for v in views]
+        if len(f32) == 1:
+            np.copyto(dst, f32[0])
+            return
+        _sum.add_f32(dst, f32[0], f32[1])
+        for v in f32[2:]:
+            _sum.add_f32(dst, dst, v)
+        return
+    bf16 = wire == DType.BF16
+    if len(views) == 1:
+        _sum.widen_u16(dst, views[0], bf16)
+        return
+    _sum.add_u16(dst, views[0], views[1], True, bf16)
+    for v in views[2:]:
+        _sum.add_u16(dst, dst, v, False, bf16)

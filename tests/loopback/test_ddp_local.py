@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -28,7 +29,10 @@ from integrations.rendezvous import RendezvousError, StoreRendezvous, local_host
 from integrations.trace import TraceRecorder, read_trace
 from scheduling.errors import ConfigError
 from transport.config import TransportConfig
+from transport.daemon import Daemon
+from transport.daemon_config import DaemonConfig
 from transport.events import CollectiveReport, LossReport
+from transport.ipc_client import DaemonClient
 
 
 @pytest.fixture
@@ -218,10 +222,14 @@ def test_hook_config_from_env():
     assert cfg.transport == "zmq" and cfg.hosts == ("10.0.0.1", "10.0.1.1") and cfg.log_every == 5
     # Every field can be set from the environment.
     samples = {"transport": "zmq", "hosts": "h1,h2", "log_every": "5", "history": "7",
-               "rendezvous_timeout_s": "1.5", "name": "job"}  # fmt: skip
+               "rendezvous_timeout_s": "1.5", "name": "job", "mode": "daemon",
+               "daemon_socket": "/run/d.sock", "connect_timeout_s": "3"}  # fmt: skip
     assert set(samples) == {f.name for f in dataclasses.fields(HookConfig)}
     every = HookConfig.from_env({f"GRADLANE_HOOK__{k.upper()}": v for k, v in samples.items()})
-    assert every == HookConfig("zmq", ("h1", "h2"), 5, 7, 1.5, "job")
+    assert every == HookConfig("zmq", ("h1", "h2"), 5, 7, 1.5, "job", "daemon", "/run/d.sock", 3.0)
+    assert HookConfig.from_env({"GRADLANE_MODE": "daemon"}).mode == "daemon"
+    with pytest.raises(ConfigError, match="mode="):
+        HookConfig.from_env({"GRADLANE_MODE": "sideways"})
     with pytest.raises(ConfigError, match="GRADLANE_HOOK__NOPE"):
         HookConfig.from_env({"GRADLANE_HOOK__NOPE": "1"})
     with pytest.raises(ConfigError, match="transport="):
@@ -290,3 +298,27 @@ def test_local_hosts():
     assert local_hosts(1, "localhost") == ["127.0.0.1"]
     with pytest.raises(ConfigError, match="one local address per path"):
         local_hosts(2, "10.1.2.3")
+
+
+@pytest.mark.timeout(60)
+def test_state_from_env_in_daemon_mode_talks_to_the_daemon(tmp_path):
+    sock = str(tmp_path / "d.sock")
+    job = 300_000 + os.getpid() % 100_000
+    cfg = DaemonConfig(job=job, socket=sock, metrics="", local_world=1)
+    env = {
+        "GRADLANE_MODE": "daemon",
+        "GRADLANE_JOB": str(job),
+        "GRADLANE_HOOK__DAEMON_SOCKET": sock,
+        "GRADLANE_HOOK__LOG_EVERY": "0",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+    }
+    with Daemon(cfg) as daemon, GradlaneState.from_env(env, rank=0, world=1) as state:
+        assert isinstance(state.plane, DaemonClient)
+        assert state.plane.generation == daemon.generation
+        x = np.arange(8, dtype=np.float32)
+        result, _ = state.plane.submit(0, 0, x.copy()).result(30)
+        np.testing.assert_array_equal(result, x)  # one rank: the sum is its own bucket
+        assert state.stats()["transport"] == "daemon"
+    with pytest.raises(ConfigError, match="LOCAL_RANK"):
+        GradlaneState.from_env({"GRADLANE_MODE": "daemon"}, rank=0, world=1)

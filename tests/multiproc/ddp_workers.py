@@ -52,6 +52,19 @@ def rank_main(
     scenario: str, rank: int, world: int, port: int, args: dict, up: Any, down: Any
 ) -> None:
     """Run ``SCENARIOS[scenario]`` in a gloo group; report ``("ok"|"error", rank, payload)``."""
+    run_rank(SCENARIOS[scenario], rank, world, port, args, up, down)
+
+
+def run_rank(
+    fn: Callable[[int, int, dict, Any], Any],
+    rank: int,
+    world: int,
+    port: int,
+    args: dict,
+    up: Any,
+    down: Any,
+) -> None:
+    """Run ``fn(rank, world, args, down)`` in a gloo group on a TCPStore that rank 0 hosts."""
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -61,7 +74,7 @@ def rank_main(
         )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         try:
-            result = SCENARIOS[scenario](rank, world, args, down)
+            result = fn(rank, world, args, down)
         finally:
             dist.destroy_process_group()
         up.put(("ok", rank, result))

@@ -33,6 +33,7 @@ __all__ = [
     "chunk_norms",
     "hadamard_forward",
     "hadamard_inverse",
+    "local_sum",
     "pack",
     "place",
     "reduce",
@@ -286,3 +287,11 @@ def path_ack_update(ps: Any, path: np.ndarray, sizes: np.ndarray, now: float, rt
     lift = got & (ps._loss <= cfg.loss_suspect) & (ps._state != 0)
     ps._state[lift] = 0
     ps._next_probe[lift] = np.inf
+
+
+def local_sum(srcs: Sequence[np.ndarray], dtype: DType) -> np.ndarray:
+    """float32 sum of wire-word buckets, added one by one in list order (as the kernel does)."""
+    out = as_float32(wire_bits(srcs[0], dtype), dtype)
+    for s in srcs[1:]:
+        out = (out + as_float32(wire_bits(s, dtype), dtype)).astype(np.float32)
+    return out

@@ -49,3 +49,24 @@ def test_simulated_demo_runs_and_writes_its_summary(tmp_path, capsys):
     summary = json.loads(path.read_text())["summary"]
     assert set(summary) >= {"step_p99_baseline_s", "step_p99_gradlane_s", "delivered_fraction"}
     assert 0.98 <= summary["delivered_fraction"] <= 1.0
+
+
+def test_daemon_and_stats_fail_clearly_without_a_working_setup(tmp_path):
+    run = [sys.executable, "-m", "integrations.cli"]
+    bad = subprocess.run(
+        [*run, "daemon", "--hosts", "2", "--socket", str(tmp_path / "d.sock")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2 and "peers" in bad.stderr, bad.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before it bound anything
+    none = subprocess.run(
+        [*run, "stats", "--metrics", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert none.returncode == 1 and "no gradlane metrics at" in none.stderr, none.stderr

@@ -1,0 +1,335 @@
+"""The daemon and its IPC clients on one host: lifecycle and bad input, with real sockets,
+real shared memory and (for kill -9 and restart) a real daemon process.
+
+Every client and daemon is closed, every process killed and every file removed by the fixtures,
+also on failure; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import glob
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from scheduling.loss import LossConfig
+from transport import ipc
+from transport.allreduce import from_f32
+from transport.config import loopback_config
+from transport.daemon import Daemon, DaemonError
+from transport.daemon_config import DaemonConfig
+from transport.ipc_client import DaemonClient, DaemonUnavailable
+from transport.packet import DType
+from transport.shm import Segment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WAIT_S = 60.0
+
+
+class Host:
+    """One host's sockets, daemons and clients for a test; :meth:`cleanup` removes them all."""
+
+    def __init__(self) -> None:
+        self.job = 200_000 + os.getpid() % 100_000
+        self.dir = tempfile.mkdtemp(prefix="gl-ipc-")
+        self.socket = os.path.join(self.dir, "d.sock")
+        self.daemons: list[Daemon] = []
+        self.clients: list[DaemonClient] = []
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def config(self, **kw: Any) -> DaemonConfig:
+        loss = LossConfig(hard_deadline_s=kw.pop("hard", 10.0))
+        return DaemonConfig(job=self.job, socket=self.socket, metrics="", local_world=2,
+                            transport=loopback_config(n_paths=1, loss=loss), **kw)  # fmt: skip
+
+    def daemon(self, **kw: Any) -> Daemon:
+        d = Daemon(self.config(**kw))
+        self.daemons.append(d)
+        return d.start()
+
+    def client(self, local_rank: int, start: bool = True, **kw: Any) -> DaemonClient:
+        c = DaemonClient(self.socket, job=self.job, rank=local_rank, world=2,
+                         local_rank=local_rank, local_world=2, **kw)  # fmt: skip
+        self.clients.append(c)
+        return c.start() if start else c
+
+    def process(self, *extra: str, socket: str = "", wait: bool = True) -> subprocess.Popen[str]:
+        """A ``gradlane daemon`` process (on this host's socket, 2 local ranks, unless ``extra``
+        flags say otherwise); with ``wait``, returns once it says it is ready."""
+        cmd = [sys.executable, "-m", "integrations.cli", "daemon", "--job", str(self.job),
+               "--socket", socket or self.socket, "--local-world", "2", "--metrics", "",
+               "--log-level", "WARNING", *extra]  # fmt: skip
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+        self.procs.append(p)
+        if wait:
+            self.ready(p)
+        return p
+
+    @staticmethod
+    def ready(p: subprocess.Popen[str]) -> None:
+        """Wait (bounded) for the daemon's ready line."""
+        assert p.stdout is not None
+        ready, _, _ = select.select([p.stdout], [], [], WAIT_S)
+        line = p.stdout.readline() if ready else ""
+        assert "gradlane daemon: ready" in line, line
+
+    def leftovers(self) -> list[str]:
+        return glob.glob(f"/dev/shm/gradlane-{self.job}-*") + os.listdir(self.dir)
+
+    def cleanup(self) -> None:
+        for c in self.clients:
+            c.close()
+        for d in self.daemons:
+            d.close()
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+            if p.stdout is not None:
+                p.stdout.close()
+        for path in glob.glob(f"/dev/shm/gradlane-{self.job}-*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def host() -> Iterator[Host]:
+    h = Host()
+    try:
+        yield h
+    finally:
+        h.cleanup()
+
+
+def _pair_step(clients: list[DaemonClient], step: int, n: int = 1000) -> list[np.ndarray]:
+    xs = [np.arange(n, dtype=np.float32) * (i + 1) for i in range(len(clients))]
+    futs = [c.submit(step, 0, x.copy()) for c, x in zip(clients, xs, strict=True)]
+    out = [f.result(WAIT_S)[0] for f in futs]
+    for r in out:
+        np.testing.assert_array_equal(r, sum(xs))
+    return out
+
+
+def test_no_daemon_is_a_clear_error(host: Host):
+    with pytest.raises(DaemonUnavailable, match=r"no gradlane daemon at ipc://.*gradlane daemon"):
+        host.client(0, connect_timeout_s=0.3)
+
+
+def test_trainers_may_start_before_the_daemon(host: Host):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(host.client, r, connect_timeout_s=WAIT_S) for r in (0, 1)]
+        host.daemon()
+        clients = [f.result(WAIT_S) for f in starting]
+    _pair_step(clients, 0)
+
+
+def test_second_daemon_on_the_same_socket_is_refused(host: Host):
+    host.daemon()
+    assert os.stat(host.socket).st_mode & 0o777 == 0o600  # only this user may connect
+    with pytest.raises(DaemonError, match="already serves"):
+        host.daemon()
+    _pair_step([host.client(0), host.client(1)], 0)  # the first one keeps serving
+
+
+def test_bad_submissions_fail_clearly_and_the_daemon_keeps_serving(host: Host):
+    d = host.daemon(max_segment_bytes=1 << 20)
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    seg = None
+    try:
+        s.connect(f"ipc://{host.socket}")
+
+        def ask(kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+            s.send_multipart(ipc.encode(kind, **fields))
+            assert s.poll(int(WAIT_S * 1000)), f"no answer to {kind}"
+            return ipc.decode(s.recv_multipart())
+
+        kind, welcome = ask("HELLO", job=host.job, rank=0, world=2, local_rank=0, local_world=2,
+                            pid=os.getpid())  # fmt: skip
+        assert kind == "WELCOME"
+        gen, prefix = welcome["generation"], welcome["prefix"]
+        sub = {"generation": gen, "step": 0, "bucket": 0, "shm": f"{prefix}b0.0-9", "offset": 0,
+               "numel": 16, "dtype": 0, "layer_position": 0.0}  # fmt: skip
+        cases = [
+            ({}, "does not exist"),
+            ({"shm": "gradlane-someone-else"}, "is not local rank 0's"),
+            ({"generation": gen + 1}, "restarted"),
+            ({"numel": 1 << 20}, "max_segment_bytes"),
+        ]
+        for change, needle in cases:
+            kind, msg = ask("SUBMIT", **{**sub, **change})
+            assert kind == "FAIL" and needle in msg["error"], (change, msg)
+        rejected = d.stats()["rejected"]
+        assert rejected["bad_segment"] == 2 and rejected["stale_generation"] == 1
+        assert rejected["oversized"] == 1
+        # A good submission from the same trainer still goes through (its partner joins).
+        seg = Segment.create(f"{prefix}b0.0-1", 64)
+        seg.array(np.float32, 16)[:] = 1.0
+        partner = host.client(1)
+        fut = partner.submit(0, 0, np.full(16, 2.0, dtype=np.float32))
+        kind, msg = ask("SUBMIT", **{**sub, "shm": seg.name})
+        assert kind == "DONE", msg
+        assert (seg.array(np.float32, 16) == 3.0).all()
+        assert (fut.result(WAIT_S)[0] == 3.0).all()
+    finally:
+        s.close(0)
+        if seg is not None:
+            seg.close()
+            seg.unlink()
+
+
+def test_dead_trainer_slot_times_out_and_is_freed(host: Host):
+    host.daemon(slot_timeout_s=0.5)
+    a, b = host.client(0), host.client(1)
+    lonely = a.submit(0, 0, np.ones(100, dtype=np.float32))
+    with pytest.raises(Exception, match=r"local rank\(s\) \[1\].*did not submit step 0 bucket 0"):
+        lonely.result(WAIT_S)
+    _pair_step([a, b], 1)  # the slot was freed: the next step works
+
+
+def test_sigterm_drain_fails_what_is_filling_and_removes_everything(host: Host):
+    d = host.daemon()
+    a, b = host.client(0), host.client(1)
+    _pair_step([a, b], 0)
+    filling = a.submit(1, 0, np.ones(100, dtype=np.float32))
+    d.stop()  # what SIGTERM does
+    assert d.wait(WAIT_S)
+    with pytest.raises(Exception, match=r"shutting down|disconnected"):
+        filling.result(WAIT_S)
+    assert host.leftovers() == []
+
+
+def test_restarted_daemon_fails_in_flight_steps_then_serves_the_next(host: Host):
+    first = host.process()
+    a, b = host.client(0), host.client(1)
+    _pair_step([a, b], 0)
+    gen = a.generation
+    in_flight = a.submit(1, 0, np.ones(100, dtype=np.float32))  # b holds back: a slot fills
+    first.kill()
+    first.wait(30)
+    with pytest.raises(Exception, match=r"disconnected .* crashed"):
+        in_flight.result(WAIT_S)
+    host.process()  # the stale socket and lock of the killed one are taken over
+    _pair_step([a, b], 2)  # submissions wait for the new daemon's WELCOME, then go through
+    assert a.generation != gen and a.generation == b.generation
+
+
+def test_two_daemons_meet_in_a_tcpstore(host: Host):
+    port = _free_port("127.0.0.1")
+    sockets = [os.path.join(host.dir, f"h{h}.sock") for h in range(2)]
+    # Host 1 first: it waits for host 0, which serves the store.
+    procs = [
+        host.process("--hosts", "2", "--host-rank", str(h), "--local-world", "1",
+                     "--path", f"127.0.0.{h + 1}", "--rendezvous", "store",
+                     "--store", f"127.0.0.1:{port}", socket=sockets[h], wait=False)
+        for h in (1, 0)
+    ]  # fmt: skip
+    for p in procs:
+        host.ready(p)
+    clients = []
+    for h in range(2):
+        c = DaemonClient(sockets[h], job=host.job, rank=h, world=2, local_rank=0, local_world=1)
+        host.clients.append(c)
+        clients.append(c.start())
+    _pair_step(clients, 0)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(WAIT_S) == 0
+    assert host.leftovers() == []
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_buckets_are_summed_in_float32_and_rounded_once(host: Host, dtype: str):
+    host.daemon()
+    a, b = host.client(0), host.client(1)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(5000).astype(np.float32) for _ in range(2)]
+    if dtype == "float16":
+        words, wire = [x.astype(np.float16) for x in xs], None
+        ref = (words[0].astype(np.float32) + words[1].astype(np.float32)).astype(np.float16)
+    else:
+        words = [(x.view(np.uint32) >> 16).astype(np.uint16) for x in xs]
+        wire = DType.BF16
+        total = sum((w.astype(np.uint32) << 16).view(np.float32) for w in words)
+        ref = np.empty(5000, dtype=np.uint16)
+        from_f32(total, DType.BF16, ref)
+    futs = [c.submit(0, 0, w.copy(), dtype=wire) for c, w in zip((a, b), words, strict=True)]
+    for f in futs:
+        result, _ = f.result(WAIT_S)
+        assert result.dtype == words[0].dtype
+        np.testing.assert_array_equal(result, ref)
+
+
+def test_a_hung_daemon_fails_submissions_at_the_request_timeout(host: Host):
+    p = host.process()
+    a = host.client(0, request_timeout_s=0.5)
+    b = host.client(1, request_timeout_s=0.5)
+    _pair_step([a, b], 0)
+    p.send_signal(signal.SIGSTOP)
+    try:
+        futs = [c.submit(1, 0, np.ones(10, dtype=np.float32)) for c in (a, b)]
+        for f in futs:
+            with pytest.raises(Exception, match=r"did not answer step 1 bucket 0 within 0.5s"):
+                f.result(WAIT_S)
+    finally:
+        p.send_signal(signal.SIGCONT)
+    _pair_step([a, b], 2)  # once it runs again, fresh segments carry the next step
+
+
+def test_a_new_trainer_session_counts_steps_from_zero_again(host: Host):
+    """Two daemons (hosts) that outlive a job: the next job's steps start at 0 again, far
+    behind the newest step their engines saw (the window is 4 steps here)."""
+    ports = [_free_port(f"127.0.0.{h + 1}", socket.SOCK_DGRAM) for h in range(2)]
+    paths = [f"127.0.0.{h + 1}:{p}" for h, p in enumerate(ports)]
+    sockets = [os.path.join(host.dir, f"h{h}.sock") for h in range(2)]
+    for h in range(2):
+        cfg = DaemonConfig(
+            job=host.job,
+            host_rank=h,
+            hosts=2,
+            socket=sockets[h],
+            paths=(paths[h],),
+            peers=((paths[0],), (paths[1],)),
+            local_world=1,
+            metrics="",
+            transport=loopback_config(n_paths=1, step_window=4),
+        )
+        host.daemons.append(Daemon(cfg).start())
+
+    def session(steps: range) -> None:
+        clients = [DaemonClient(sockets[h], job=host.job, rank=h, world=2, local_rank=0,
+                                local_world=1).start() for h in range(2)]  # fmt: skip
+        try:
+            for step in steps:
+                xs = [np.full(64, h + 1.0, dtype=np.float32) for h in range(2)]
+                futs = [c.submit(step, 0, x) for c, x in zip(clients, xs, strict=True)]
+                for f in futs:
+                    assert (f.result(WAIT_S)[0] == 3.0).all()
+        finally:
+            for c in clients:
+                c.close()
+
+    session(range(12))
+    session(range(3))  # a new job on the same daemons
+
+
+def _free_port(host: str, kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,229 @@
+"""The daemon's pure parts: IPC message validation, config parsing, metrics text, shared
+memory lifecycle, and the local-sum kernel against its NumPy reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit import naive
+from transport import ipc, kernels
+from transport.daemon_config import DaemonConfig, load, parse_address
+from transport.errors import ConfigError
+from transport.events import CollectiveReport, LossReport, SenderReport
+from transport.metrics import Registry, parse
+from transport.packet import DType
+from transport.shm import Segment, SegmentError, check_name, remove_prefix
+
+SUBMIT = {"generation": 5, "step": 3, "bucket": 1, "shm": "gradlane-1-h0-5-l0-b1.0-0",
+          "offset": 0, "numel": 100, "dtype": 0, "layer_position": 0.25}  # fmt: skip
+
+
+# -- IPC messages -----------------------------------------------------------------------------
+def test_encode_decode_round_trip():
+    kind, msg = ipc.decode(ipc.encode("SUBMIT", **SUBMIT))
+    assert kind == "SUBMIT" and msg == SUBMIT
+
+
+@pytest.mark.parametrize(
+    ("frames", "why"),
+    [
+        ([b"SUBMIT"], "malformed"),
+        ([b"SUBMIT", b"{}", b"extra"], "malformed"),
+        ([b"SUBMIT", b"\xff\xfe"], "malformed"),
+        ([b"SUBMIT", b"[1, 2]"], "malformed"),
+        ([b"SUBMIT", b" " * (ipc.MAX_MESSAGE_BYTES + 1)], "oversized"),
+        ([b"PICKLE", b"{}"], "unknown_kind"),
+        ([b"SUBMIT", json.dumps({**SUBMIT, "step": -1}).encode()], "bad_field"),
+        ([b"SUBMIT", json.dumps({**SUBMIT, "step": True}).encode()], "bad_field"),
+        ([b"SUBMIT", json.dumps({**SUBMIT, "numel": "100"}).encode()], "bad_field"),
+        ([b"SUBMIT", json.dumps({**SUBMIT, "dtype": 3}).encode()], "bad_field"),
+        ([b"SUBMIT", json.dumps({**SUBMIT, "evil": 1}).encode()], "bad_field"),
+        ([b"SUBMIT", json.dumps({k: v for k, v in SUBMIT.items() if k != "shm"}).encode()],
+         "bad_field"),
+    ],
+)  # fmt: skip
+def test_bad_messages_are_typed_errors(frames, why):
+    with pytest.raises(ipc.IpcError) as info:
+        ipc.decode(frames)
+    assert info.value.why == why
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.lists(st.binary(max_size=300), max_size=4))
+def test_any_bytes_decode_or_raise_ipc_error(frames):
+    try:
+        kind, msg = ipc.decode(frames)
+    except ipc.IpcError as e:
+        assert e.why in ipc.REASONS
+    else:
+        assert kind in ipc.SCHEMAS and set(msg) == set(ipc.SCHEMAS[kind])
+
+
+def test_encode_refuses_a_bad_message():
+    with pytest.raises(ipc.IpcError):
+        ipc.encode("SUBMIT", **{**SUBMIT, "bucket": 70000})
+
+
+def test_report_round_trip():
+    loss = LossReport(3, 1, 0, 0, 100, 2, {0: 0.98, 1: 1.0}, 0.01, True, 400, 1, 0, 0)
+    rep = CollectiveReport(3, 1, 0.02, loss, (loss,), SenderReport((1, 2), (0, 1), (0, 0), 9, (9,)))
+    wire = json.loads(json.dumps(ipc.report_to_wire(rep)))
+    assert ipc.report_from_wire(wire) == rep
+    with pytest.raises(ipc.IpcError):
+        ipc.report_from_wire({"step": 1})
+
+
+# -- configuration ----------------------------------------------------------------------------
+def test_toml_env_and_flags_in_order(tmp_path):
+    path = tmp_path / "d.toml"
+    path.write_text(
+        '[daemon]\njob = 7\nhost_rank = 1\nhosts = 2\nsecret = "s"\n'
+        'paths = ["127.0.0.2:47001"]\n'
+        'peers = [["127.0.0.1:47000"], ["127.0.0.2:47001"]]\n'
+        "[transport]\nchunk_bytes = 8192\n[transport.loss]\nloss_bound = 0.02\n"
+    )
+    cfg = load(str(path), environ={"GRADLANE_DAEMON__LOCAL_WORLD": "4"}, flags={"job": 9})
+    assert (cfg.job, cfg.host_rank, cfg.hosts, cfg.local_world) == (9, 1, 2, 4)
+    assert cfg.transport.job == 9 and cfg.transport.secret == "s"
+    assert cfg.transport.chunk_bytes == 8192 and cfg.transport.loss.loss_bound == 0.02
+    assert cfg.transport.n_paths == 1  # one address per path
+    assert cfg.peer_table() == [[("127.0.0.1", 47000)], [("127.0.0.2", 47001)]]
+    assert cfg.socket_path.endswith("gradlane-9.sock")
+    loss = load(str(path), transport_flags={"loss": {"hard_deadline_s": 3.0}}).transport.loss
+    assert loss.hard_deadline_s == 3.0 and loss.loss_bound == 0.02
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[daemon]\nhosts = 2\n", "peers"),
+        ("[daemon]\nhost_rank = 3\nhosts = 2\n", "host_rank=3"),
+        ("[daemon]\nbogus = 1\n", "bogus"),
+        ("[other]\n", "unknown table"),
+        ("[transport]\nchunk_bytes = 3\n", "chunk_bytes"),
+        ("[daemon]\nhosts = 2\npeers = [['127.0.0.1'], ['127.0.0.2']]\n", "fixed port"),
+        ("[daemon\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_the_problem(tmp_path, text, needle):
+    path = tmp_path / "d.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        load(str(path), environ={})
+
+
+def test_parse_address():
+    assert parse_address("10.0.0.1:5") == ("10.0.0.1", 5)
+    assert parse_address("10.0.0.1") == ("10.0.0.1", 0)
+    assert parse_address("[::1]:7") == ("::1", 7)
+    with pytest.raises(ConfigError):
+        parse_address("h:notaport")
+
+
+def test_config_dataclass_validates():
+    with pytest.raises(ConfigError, match="n_paths"):
+        DaemonConfig(paths=("127.0.0.1", "127.0.0.2"))
+    cfg = DaemonConfig(job=3, secret="x")
+    assert cfg.transport.job == 3 and dataclasses.replace(cfg, job=4).transport.job == 4
+
+
+# -- metrics ----------------------------------------------------------------------------------
+def test_metrics_text_format_and_parse():
+    m = Registry()
+    m.inc("gl_drops_total", 3, "drops", class_="2", reason="late")
+    m.inc("gl_drops_total", 1, class_="2", reason="late")
+    m.set("gl_frac", 0.5, "fraction")
+    for v in (0.002, 0.02, 20.0):
+        m.observe("gl_latency_seconds", v, "latency", buckets=(0.01, 0.1))
+    text = m.render()
+    assert "# TYPE gl_drops_total counter" in text
+    assert 'gl_drops_total{class="2",reason="late"} 4' in text
+    assert 'gl_latency_seconds_bucket{le="0.01"} 1' in text
+    assert 'gl_latency_seconds_bucket{le="0.1"} 2' in text
+    assert 'gl_latency_seconds_bucket{le="+Inf"} 3' in text
+    assert "gl_latency_seconds_count 3" in text
+    samples = {(n, tuple(sorted(lb.items()))): v for n, lb, v in parse(text)}
+    assert samples[("gl_frac", ())] == 0.5
+    assert m.value("gl_drops_total", class_="2", reason="late") == 4
+    with pytest.raises(ValueError):
+        m.inc("gl_drops_total", -1)
+    with pytest.raises(ConfigError):
+        m.set("gl_drops_total", 1)  # a counter is not a gauge
+
+
+# -- shared memory ----------------------------------------------------------------------------
+def test_segment_lifecycle():
+    name = f"gradlane-test-{os.getpid()}-seg"
+    seg = Segment.create(name, 64)
+    try:
+        assert oct(os.stat(seg.path).st_mode & 0o777) == oct(0o600)
+        seg.array(np.float32, 16)[:] = 7.0
+        other = Segment.open(name, 64)
+        assert (other.array(np.float32, 16) == 7.0).all()
+        with pytest.raises(SegmentError, match="does not fit"):
+            other.array(np.float32, 17)
+        with pytest.raises(SegmentError, match="64 B"):
+            Segment.open(name, 65)
+        with pytest.raises(SegmentError, match="create"):
+            Segment.create(name, 64)  # exists
+        other.close()
+    finally:
+        seg.close()
+        seg.unlink()
+    assert not os.path.exists(seg.path)
+    seg.unlink()  # idempotent
+    with pytest.raises(SegmentError, match="does not exist"):
+        Segment.open(name)
+
+
+@pytest.mark.parametrize(
+    "name", ["../etc/passwd", "gradlane-../x", "other-name", "gradlane-a/b", ""]
+)
+def test_segment_names_cannot_escape(name):
+    with pytest.raises(SegmentError):
+        check_name(name)
+
+
+def test_remove_prefix():
+    prefix = f"gradlane-test-{os.getpid()}-p"
+    segs = [Segment.create(f"{prefix}{i}", 8) for i in range(3)]
+    keep = Segment.create(f"gradlane-test-{os.getpid()}-q", 8)
+    try:
+        assert sorted(remove_prefix(prefix)) == sorted(s.name for s in segs)
+        assert os.path.exists(keep.path)
+    finally:
+        for s in [*segs, keep]:
+            s.close()
+            s.unlink()
+
+
+# -- the local-sum kernel ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", list(DType))
+@pytest.mark.parametrize("n_src", [1, 2, 3])
+def test_local_sum_matches_reference(dtype, n_src):
+    rng = np.random.default_rng([int(dtype), n_src])
+    srcs = [rng.standard_normal(1001).astype(np.float32) for _ in range(n_src)]
+    if dtype == DType.F16:
+        srcs = [s.astype(np.float16) for s in srcs]
+    elif dtype == DType.BF16:
+        srcs = [(s.view(np.uint32) >> 16).astype(np.uint16) for s in srcs]
+    out = np.empty(1001, dtype=np.float32)
+    kernels.local_sum(out, srcs, dtype)
+    np.testing.assert_array_equal(out, naive.local_sum(srcs, dtype))
+
+
+def test_local_sum_checks_its_inputs():
+    out = np.empty(4, dtype=np.float32)
+    with pytest.raises(ValueError, match="elements"):
+        kernels.local_sum(out, [np.ones(5, np.float32)], DType.F32)
+    with pytest.raises(ValueError, match="at least one"):
+        kernels.local_sum(out, [], DType.F32)
+    with pytest.raises(ValueError, match="must be one of"):
+        kernels.local_sum(out, [np.ones(4, np.float64)], DType.F32)
