@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "side by side (--network sim: the simulated leaf-spine)",
     ),
     "netsim": ("bench.netsim_scenarios", "all-reduce scenarios on the simulated network"),
+    "bench": (
+        "bench.replay",
+        "benchmarks: `bench replay TRACE` replays a trace over gloo and gradlane",
+    ),
 }
 
 
