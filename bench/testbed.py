@@ -64,7 +64,9 @@ __all__ = [
     "down_all",
     "path_addr",
     "privilege",
+    "read_ready",
     "state_path",
+    "stop_process",
 ]
 
 log = logging.getLogger(__name__)
@@ -233,7 +235,7 @@ class _Runner:
         )
         line = _read_line(holder, CMD_TIMEOUT_S)
         if line.strip() != "ready":
-            _stop_process(holder)
+            stop_process(holder)
             raise TestbedUnavailable(f"{NEEDS_ROOT}: user namespace holder failed: {line!r}")
         return cls(holder.pid)
 
@@ -284,6 +286,22 @@ class _Runner:
         return len(pids)
 
 
+def read_ready(proc: subprocess.Popen[Any], timeout: float, what: str) -> None:
+    """Wait for ``proc`` (started with stdout/stderr pipes) to print ``ready``, or raise.
+
+    The error carries the end of the process's stderr when it died before saying so.
+    """
+    line = _read_line(proc, timeout).strip()
+    if line == "ready":
+        return
+    err = ""
+    if proc.poll() is not None and proc.stderr is not None:
+        err = proc.stderr.read()[-2000:]
+        err = err.decode(errors="replace") if isinstance(err, bytes) else err
+    stop_process(proc)
+    raise TestbedError(f"{what} did not start within {timeout:.0f}s (got {line!r}): {err}")
+
+
 def _read_line(proc: subprocess.Popen[Any], timeout: float) -> str:
     """First stdout line of ``proc`` within ``timeout`` seconds ('' on timeout or exit)."""
     assert proc.stdout is not None
@@ -295,7 +313,7 @@ def _read_line(proc: subprocess.Popen[Any], timeout: float) -> str:
     return line.decode(errors="replace") if isinstance(line, bytes) else line
 
 
-def _stop_process(proc: subprocess.Popen[Any], grace: float = TERM_GRACE_S) -> int | None:
+def stop_process(proc: subprocess.Popen[Any], grace: float = TERM_GRACE_S) -> int | None:
     """SIGTERM, wait up to ``grace`` seconds, then SIGKILL; always reaps. Returns the exit code."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -417,7 +435,7 @@ class Testbed:
                 handle.stop()
         self._handles.clear()
         for proc in self._procs:
-            _stop_process(proc)
+            stop_process(proc)
         self._procs.clear()
         _remove(self.runner, self.spec.prefix)
         self.hosts = []
