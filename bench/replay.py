@@ -127,13 +127,19 @@ class TestbedNetwork:
 
     __test__ = False
 
-    def __init__(self, bed: Any, master_port: int = 29400) -> None:
+    def __init__(
+        self, bed: Any, master_port: int = 29400, controller: str = "loss-tolerant"
+    ) -> None:
         self.bed = bed
         spec = bed.spec
         self.world = len(bed.hosts)
         link_Bps = spec.link_mbit * 1e6 / 8
         self.params = NetParams(
-            loopback=False, mtu=spec.mtu, link_Bps=link_Bps, nic_Bps=link_Bps * spec.spines
+            loopback=False,
+            mtu=spec.mtu,
+            link_Bps=link_Bps,
+            nic_Bps=link_Bps * spec.spines,
+            controller=controller,
         )
         self.description = (
             f"testbed {spec.prefix}: {spec.hosts} hosts, {spec.spines} spines, "
@@ -210,6 +216,7 @@ def run_replay(
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     procs: list[subprocess.Popen[Any]] = []
     links: dict[str, Any] = {}
+    machine: dict[str, float] = {}
     before = net.link_stats()
     t0 = time.monotonic()
     stack = contextlib.ExitStack()  # every rank's stderr file, closed at the end
@@ -233,7 +240,7 @@ def run_replay(
                 (json.dumps({**job, "rank": rank, "addrs": net.addrs(rank)}) + "\n").encode()
             )
             p.stdin.close()
-        steps = _collect(opts, net, procs, errs, before, links, on_progress)
+        steps = _collect(opts, net, procs, errs, before, links, machine, on_progress)
     finally:
         for p in procs:
             _stop(p)
@@ -253,6 +260,8 @@ def run_replay(
         },
         "steps": steps,
         "link_stats": links,
+        "machine_cores_busy": machine,
+        "cpus": os.cpu_count(),
         "wall_s": time.monotonic() - t0,
     }
 
@@ -264,6 +273,7 @@ def _collect(
     errs: list[IO[bytes]],
     before: dict[str, Any] | None,
     links: dict[str, Any],
+    machine: dict[str, float],
     on_progress: Callable[[str, int, int], None] | None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Read every rank's lines until all are done; merge step records across ranks."""
@@ -271,6 +281,7 @@ def _collect(
     pending: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
     merged: dict[str, list[dict[str, Any]]] = {name: [] for name in opts.configs}
     done: set[int] = set()
+    cpu_then = _cpu_jiffies()
     deadline = time.monotonic() + opts.timeout_s
     heard = time.monotonic()
     bufs = {p.stdout.fileno(): b"" for p in procs if p.stdout is not None}
@@ -308,10 +319,14 @@ def _collect(
                         )
                     if kind == "done":
                         done.add(rank)
-                    elif kind == "config_done" and rank == 0 and before is not None:
-                        after = net.link_stats() or {}
-                        links[msg["config"]] = _delta(before, after)
-                        before = after
+                    elif kind == "config_done" and rank == 0:
+                        cpu_now = _cpu_jiffies()
+                        machine[msg["config"]] = _cores_busy(cpu_then, cpu_now)
+                        cpu_then = cpu_now
+                        if before is not None:
+                            after = net.link_stats() or {}
+                            links[msg["config"]] = _delta(before, after)
+                            before = after
                     elif kind == "step":
                         key2 = (msg["config"], msg["step"])
                         got = pending.setdefault(key2, {})
@@ -339,6 +354,8 @@ def _merge(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
         "bucket_lat_s": {b: max(r["bucket_lat_s"][b] for r in recs) for b in buckets},
         "bucket_done_s": {b: max(r["bucket_done_s"][b] for r in recs) for b in buckets},
         "delivered": min(r["delivered"] for r in recs),
+        "wall_s": max(r["wall_s"] for r in recs),
+        "cpu_s": sum(r["cpu_s"] for r in recs),
         "degraded": sum(r["degraded"] for r in recs),
         "retransmitted": sum(r["retransmitted"] for r in recs),
         "path_bytes": [
@@ -362,6 +379,24 @@ def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             },
         }
     return out
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat (0s elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return (0, 0)
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    return (sum(vals) - idle, sum(vals))
+
+
+def _cores_busy(a: tuple[int, int], b: tuple[int, int]) -> float:
+    """Cores the machine kept busy between two snapshots (user, system and softirq: the
+    testbed's forwarding and shaping run in softirq, outside every process's own CPU time)."""
+    total = b[1] - a[1]
+    return (b[0] - a[0]) / total * (os.cpu_count() or 1) if total > 0 else 0.0
 
 
 def _back_to_back(path: str, records: list[dict[str, Any]], metas: list[dict[str, Any]]) -> str:
@@ -457,6 +492,12 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     tb.add_argument("--cross", type=float, help="cross traffic on spine 0, fraction of a link")
     tb.add_argument("--cross-proto", choices=("udp", "tcp"), default="udp")
     tb.add_argument("--switch-priority", action="store_true", help="DSCP classes on switch ports")
+    tb.add_argument(
+        "--pacing",
+        choices=("loss-tolerant", "fixed"),
+        default="loss-tolerant",
+        help="gradlane's pacing controller (fixed: an even share of the link per peer)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -534,7 +575,7 @@ def _on_testbed(
         prefix=f"rp{os.getpid() % 1_000_000}",
     )
     with Testbed(spec) as bed:
-        net = TestbedNetwork(bed)
+        net = TestbedNetwork(bed, controller=args.pacing)
         if cross > 0:
             bed.cross_traffic(0, cross * spec.link_mbit, proto=args.cross_proto)
             net.description += (

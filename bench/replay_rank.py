@@ -124,6 +124,8 @@ class NetParams:
     nic_Bps: float = 0.0  # noqa: N815 (B = bytes)
     """This host's total sending rate (bytes/s); 0 = uncapped."""
     hard_deadline_s: float = 30.0
+    controller: str = "loss-tolerant"
+    """Pacing controller on a real network (``fixed``: the even share of the link, constant)."""
 
     @property
     def chunk_bytes(self) -> int:
@@ -164,6 +166,7 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
         priority=prio,
         loss=loss,
         pacing=PacingConfig(
+            controller=net.controller,
             initial_rate_Bps=share,
             min_rate_Bps=min(1e6, share),
             max_rate_Bps=net.link_Bps,
@@ -340,6 +343,7 @@ class _Rank:
         submitted: dict[int, float] = {}
         done: dict[int, float] = {}
         waits = []
+        cpu0 = time.process_time()  # every thread of this rank: the engine's and gloo's too
         t0 = time.monotonic()
         for b, _, ready, pos in sorted(plan.buckets, key=lambda x: x[2]):
             delay = t0 + ready - time.monotonic()
@@ -376,6 +380,8 @@ class _Rank:
         first = min(submitted.values())
         return {
             "t0": t0,
+            "wall_s": time.monotonic() - t0,
+            "cpu_s": time.process_time() - cpu0,
             "comm_s": max(done.values()) - first,
             "bucket_done_s": {str(b): done[b] - t0 for b in done},
             "bucket_lat_s": {str(b): done[b] - submitted[b] for b in done},

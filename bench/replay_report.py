@@ -77,6 +77,10 @@ def config_stats(steps: list[dict[str, Any]], world: int, link_Bps: float) -> di
         "goodput_fraction_of_link": goodput / (link_Bps * max(used, 1)) if link_Bps > 0 else None,
         "path_bytes": path_bytes,
         "paths_used": used,
+        # CPU seconds of all ranks per second of step: near the machine's core count, the
+        # transport (not the network) sets the pace.
+        "cpu_cores_busy": sum(s["cpu_s"] for s in steps)
+        / max(sum(s["wall_s"] for s in steps), 1e-9),
     }
 
 
@@ -137,7 +141,15 @@ def build(raw: dict[str, Any], command: str) -> dict[str, Any]:
         "trace_meta": raw["trace_meta"],
         "world": world,
         "options": raw["options"],
-        "configs": {n: {**raw["configs"][n], **stats[n]} for n in stats},
+        "configs": {
+            n: {
+                **raw["configs"][n],
+                **stats[n],
+                "machine_cores_busy": raw.get("machine_cores_busy", {}).get(n),
+            }
+            for n in stats
+        },
+        "cpus": raw.get("cpus"),
         "link_stats": raw.get("link_stats", {}),
         "wall_s": raw["wall_s"],
         "steps": raw["steps"],
@@ -148,17 +160,22 @@ def table(doc: dict[str, Any]) -> str:
     """Per configuration: p50/p99/mean communication time, protected p99, delivery, goodput."""
     head = (
         f"{'configuration':<24}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'prot p99':>10}"
-        f"{'delivered':>11}{'Mbit/s':>9}  paths"
+        f"{'delivered':>11}{'Mbit/s':>9}{'ranks':>7}{'host':>6}  paths"
     )
     lines = [head, "-" * len(head)]
     for name, c in doc["configs"].items():
         lines.append(
             f"{name:<24}{c['comm_p50_s'] * 1e3:>9.1f}{c['comm_p99_s'] * 1e3:>9.1f}"
             f"{c['comm_mean_s'] * 1e3:>9.1f}{c['protected_p99_s'] * 1e3:>10.1f}"
-            f"{c['delivered_min']:>11.4f}{c['goodput_mbit']:>9.0f}  "
+            f"{c['delivered_min']:>11.4f}{c['goodput_mbit']:>9.0f}{c['cpu_cores_busy']:>7.2f}"
+            f"{c['machine_cores_busy'] or 0:>6.2f}  "
             + "/".join(f"{b / 1e6:.0f}MB" for b in c["path_bytes"])
         )
     lines.append("")
+    lines.append(
+        "ranks/host: CPU cores busy in the rank processes / on the whole machine (softirq "
+        f"forwarding included) of {doc.get('cpus')}; paths: bytes sent per path, all ranks"
+    )
     lines.append("summary: " + ", ".join(f"{k}={_fmt(v)}" for k, v in doc["summary"].items()))
     return "\n".join(lines)
 
