@@ -29,8 +29,9 @@ directly inside them, so the root namespace never holds a testbed link. :func:`d
 everything by prefix: it kills the processes left inside the namespaces and deletes them.
 
 Privileges: as root the namespaces are ordinary named ones (``ip netns``). Without root, where the
-kernel allows unprivileged user namespaces, a holder process owns a user + mount namespace with a
-private ``/run/netns``, and every command enters it with ``nsenter`` (see :class:`_Runner`).
+kernel allows unprivileged user namespaces, a holder process owns a user, mount and network
+namespace with a private ``/run/netns``, and every command enters it with ``nsenter`` (see
+:class:`_Runner`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ _HOST_SYSCTLS = (
     "net.ipv6.conf.default.disable_ipv6=1",
 )
 _SWITCH_SYSCTLS = (*_HOST_SYSCTLS, "net.ipv4.ip_forward=1")
+USERNS_ENV = "GRADLANE_TESTBED_USERNS"
 NEEDS_ROOT = (
     "the testbed needs root (or unprivileged user namespaces, which this kernel does not allow)"
 )
@@ -174,11 +176,14 @@ class TestbedSpec:
 
 
 def privilege() -> str:
-    """``"root"``, ``"userns"`` (unprivileged user namespaces work) or raise TestbedUnavailable."""
+    """``"root"``, ``"userns"`` (unprivileged user namespaces work) or raise TestbedUnavailable.
+
+    ``GRADLANE_TESTBED_USERNS=1`` picks the user-namespace mode also for root (to test it).
+    """
     missing = [tool for tool in ("ip", "tc", "nsenter", "unshare") if shutil.which(tool) is None]
     if missing:
         raise TestbedUnavailable(f"the testbed needs iproute2 and util-linux; missing: {missing}")
-    if os.geteuid() == 0:
+    if os.geteuid() == 0 and os.environ.get(USERNS_ENV) != "1":
         return "root"
     try:
         probe = subprocess.run(
@@ -200,10 +205,11 @@ def state_path(prefix: str) -> Path:
 class _Runner:
     """Runs ``ip``/``tc`` and programs inside testbed namespaces, as root or in a user namespace.
 
-    As root the argv runs as is. Unprivileged, a holder process (``unshare -Urm``) owns a user
-    and mount namespace whose private tmpfs ``/run`` holds the named network namespaces; every
-    command joins it through ``nsenter`` (the owner of a user namespace may enter it). The holder
-    keeps the namespaces alive; killing it (after the processes inside) tears everything down.
+    As root the argv runs as is. Unprivileged, a holder process (``unshare -Urmn``) owns a user,
+    a mount and a network namespace (the testbed's "root" namespace); a private tmpfs ``/run``
+    holds the named network namespaces, and every command joins all three through ``nsenter``
+    (the owner of a user namespace may enter it). The holder keeps the namespaces alive; killing
+    it (after the processes inside) tears everything down.
     """
 
     def __init__(self, holder_pid: int | None = None) -> None:
@@ -211,7 +217,7 @@ class _Runner:
         self.prefix: list[str] = (
             []
             if holder_pid is None
-            else ["nsenter", "-t", str(holder_pid), "-U", "-m", "--preserve-credentials"]
+            else ["nsenter", "-t", str(holder_pid), "-U", "-m", "-n", "--preserve-credentials"]
         )
 
     @classmethod
@@ -222,12 +228,13 @@ class _Runner:
         holder = subprocess.Popen(
             [
                 "unshare",
-                "-Urm",
+                "-Urmn",
                 "--propagation",
                 "private",
                 "sh",
                 "-c",
-                "mount -t tmpfs tmpfs /run && mkdir -p /run/netns && echo ready && exec sleep 1d",
+                "mount -t tmpfs tmpfs /run && mkdir -p /run/netns && echo ready "
+                "&& exec sleep infinity",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -454,7 +461,8 @@ class Testbed:
         hosts = [f"{spec.prefix}-h{h}" for h in range(spec.hosts)]
         leaves = [f"{spec.prefix}-l{h}" for h in range(spec.hosts)]
         spines = [f"{spec.prefix}-s{s}" for s in range(spec.spines)]
-        r.batch("ip", None, [f"netns add {ns}" for ns in spec.namespaces()])
+        for ns in spec.namespaces():  # not batched: a batch's setns back fails in a user namespace
+            r.run(["ip", "netns", "add", ns])
         for ns in spec.namespaces():
             sysctls = _SWITCH_SYSCTLS if ns not in hosts else _HOST_SYSCTLS
             r.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *sysctls])

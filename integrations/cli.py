@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "bench.replay",
         "benchmarks: `bench replay TRACE` replays a trace over gloo and gradlane",
     ),
+    "testbed": (
+        "bench.testbed_cli",
+        "the emulated leaf-spine of network namespaces: testbed up|down|status",
+    ),
 }
 
 
