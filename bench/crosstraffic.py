@@ -90,6 +90,11 @@ class CrossTraffic:
         self._procs: list[subprocess.Popen[str]] = []
         self.stats: dict[str, Any] | None = None
 
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the sink and the sender (in that order, once started)."""
+        return [p.pid for p in self._procs]
+
     def _launch(self, host: int, argv: list[str]) -> None:
         proc = self.bed.hosts[host].popen(
             [sys.executable, "-m", "bench.trafficgen", *argv],

@@ -417,6 +417,14 @@ class Testbed:
                     f"namespaces with prefix {self.spec.prefix!r} already exist ({clash[:4]}...); "
                     f"remove them with `gradlane testbed down --prefix {self.spec.prefix}`"
                 )
+        else:
+            state = load_state(self.spec.prefix)
+            if state and state.get("holder_pid") and _is_holder(int(state["holder_pid"])):
+                raise TestbedError(
+                    f"a testbed with prefix {self.spec.prefix!r} already exists (holder pid "
+                    f"{state['holder_pid']}); remove it with "
+                    f"`gradlane testbed down --prefix {self.spec.prefix}`"
+                )
         self.runner = _Runner.start(mode)
         self._up = True
         if not self.keep:
