@@ -80,6 +80,11 @@ class Impairment:
         self._rules = False
         self.stats: dict[str, Any] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """Process id of the forwarder (``None`` before it started)."""
+        return None if self._proc is None else self._proc.pid
+
     def start(self) -> Impairment:
         """Set up the veth pair, start the forwarder, then divert the ports to it."""
         mtu = self.bed.spec.mtu
