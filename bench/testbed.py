@@ -48,7 +48,6 @@ import signal
 import subprocess
 import tempfile
 import time
-import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,8 +211,11 @@ class _Runner:
     it (after the processes inside) tears everything down.
     """
 
-    def __init__(self, holder_pid: int | None = None) -> None:
+    def __init__(
+        self, holder_pid: int | None = None, holder: subprocess.Popen[bytes] | None = None
+    ) -> None:
         self.holder_pid = holder_pid
+        self.holder = holder  # the Popen when this process started the holder (to reap it)
         self.prefix: list[str] = (
             []
             if holder_pid is None
@@ -237,14 +239,16 @@ class _Runner:
                 "&& exec sleep infinity",
             ],
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             start_new_session=True,  # survives the CLI that started it, until `down`
         )
         line = _read_line(holder, CMD_TIMEOUT_S)
+        if holder.stdout is not None:
+            holder.stdout.close()  # it has said all it will say
         if line.strip() != "ready":
             stop_process(holder)
             raise TestbedUnavailable(f"{NEEDS_ROOT}: user namespace holder failed: {line!r}")
-        return cls(holder.pid)
+        return cls(holder.pid, holder)
 
     def ns_argv(self, ns: str, argv: list[str]) -> list[str]:
         """``argv`` run inside namespace ``ns``."""
@@ -368,7 +372,9 @@ class Host:
         return subprocess.run(argv, check=check, timeout=timeout, **kw)
 
 
-_LIVE: weakref.WeakSet[Testbed] = weakref.WeakSet()
+#: Testbeds up in this process (strong references: one dropped without ``down`` is still torn
+#: down at exit).
+_LIVE: set[Testbed] = set()
 
 
 @atexit.register
@@ -621,11 +627,11 @@ def _remove(runner: _Runner, prefix: str) -> list[str]:
         runner.kill_inside(ns)
     for ns in names:
         runner.run(["ip", "netns", "del", ns], check=False)
-    if runner.holder_pid is not None:
+    if runner.holder is not None:
+        stop_process(runner.holder)
+    elif runner.holder_pid is not None:  # started by another process (the CLI's `up`)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(runner.holder_pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(runner.holder_pid, 0)
     return names
 
 
