@@ -12,14 +12,12 @@ the queue drops it caused are in :meth:`bench.testbed.Testbed.link_stats`.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from bench.testbed import Testbed, read_ready, stop_process
+from bench.testbed import Testbed, finish, read_ready
 from bench.trafficgen import PATTERNS, PROTOS
 from transport.errors import ConfigError
 
@@ -131,15 +129,9 @@ class CrossTraffic:
             return self.stats
         stats: dict[str, Any] = {}
         for proc in reversed(self._procs):  # sender first, so the sink counts everything
-            stop_process(proc)
-            out = proc.stdout.read() if proc.stdout is not None else ""
-            for line in out.splitlines():
-                with contextlib.suppress(ValueError):
-                    record = json.loads(line)
-                    stats[record["role"]] = record
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
+            record = finish(proc)
+            if "role" in record:
+                stats[record["role"]] = record
         self.bed.disown(self)
         self.stats = stats
         return stats

@@ -19,15 +19,13 @@ forwarder moves some 10^4-10^5 jumbo frames per second: enough for a 1 Gbit/s pa
 
 from __future__ import annotations
 
-import contextlib
-import json
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from bench.impair_fwd import IN_DEV, OUT_DEV
-from bench.testbed import Testbed, TestbedError, read_ready, stop_process
+from bench.testbed import Testbed, TestbedError, finish, read_ready
 from transport.errors import ConfigError
 
 __all__ = ["ImpairSpec", "Impairment", "start"]
@@ -132,16 +130,7 @@ class Impairment:
                     ["ip", "-n", self.ns, "rule", "del", "iif", port, "prio", str(RULE_PRIO)],
                     check=False,
                 )
-        stats: dict[str, Any] = {}
-        if self._proc is not None:
-            stop_process(self._proc)
-            out = self._proc.stdout.read() if self._proc.stdout is not None else ""
-            for line in out.splitlines():
-                with contextlib.suppress(ValueError):
-                    stats = json.loads(line)
-            for stream in (self._proc.stdout, self._proc.stderr):
-                if stream is not None:
-                    stream.close()
+        stats = finish(self._proc) if self._proc is not None else {}
         r.run(["ip", "-n", self.ns, "link", "del", OUT_DEV], check=False)
         self.bed.disown(self)
         self.stats = stats

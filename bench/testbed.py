@@ -62,6 +62,7 @@ __all__ = [
     "TestbedSpec",
     "TestbedUnavailable",
     "down_all",
+    "finish",
     "path_addr",
     "privilege",
     "read_ready",
@@ -311,6 +312,22 @@ def read_ready(proc: subprocess.Popen[Any], timeout: float, what: str) -> None:
         err = err.decode(errors="replace") if isinstance(err, bytes) else err
     stop_process(proc)
     raise TestbedError(f"{what} did not start within {timeout:.0f}s (got {line!r}): {err}")
+
+
+def finish(proc: subprocess.Popen[Any]) -> dict[str, Any]:
+    """Stop ``proc`` (started with text pipes), reap it, close its pipes; returns the last JSON
+    object it printed on stdout (its counters), or ``{}``."""
+    stop_process(proc)
+    record: dict[str, Any] = {}
+    out = proc.stdout.read() if proc.stdout is not None else ""
+    for line in out.splitlines():
+        with contextlib.suppress(ValueError):
+            value = json.loads(line)
+            record = value if isinstance(value, dict) else record
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+    return record
 
 
 def _read_line(proc: subprocess.Popen[Any], timeout: float) -> str:
