@@ -9,6 +9,10 @@ The leaf (one per host, a top-of-rack switch) forwards path ``p`` to spine ``p``
 to the destination's leaf. So traffic between two hosts' path-``p`` addresses always crosses
 leaf, spine ``p``, leaf: every host pair has ``spines`` disjoint paths, and the one a packet takes
 is chosen by the addresses a sender uses (gradlane's per-packet multipath sprays over them).
+Each host also has an *ECMP address* ``10.200.100.{h+1}`` (on ``lo``): hosts and leaves route
+it with multipath routes hashed on the 5-tuple, like ECMP in a datacenter fabric, so a baseline
+such as gloo's TCP can use the fabric the way it would in production (each connection on one
+spine, different connections spread).
 
 All links are veth pairs with MTU 9000: gradlane's default 8 KiB chunks travel in one frame and
 gloo's TCP gets the same jumbo MSS, which is also what keeps packet rates (and CPU) low enough
@@ -22,7 +26,8 @@ a qdisc there pushes back on the local socket and TCP would never see a drop (AR
 
 Addresses (all in 10.200.0.0/16): path addresses ``10.200.{p}.{h+1}``; point-to-point transit
 addresses ``10.200.{64+p}.{h+1}`` (leaf port facing host ``h``'s ``e{p}``), ``10.200.{128+p}.{h+1}``
-(leaf ``h``'s port to spine ``p``) and ``10.200.{192+p}.{h+1}`` (spine ``p``'s port to leaf ``h``).
+(leaf ``h``'s port to spine ``p``) and ``10.200.{192+p}.{h+1}`` (spine ``p``'s port to leaf ``h``);
+ECMP addresses ``10.200.100.{h+1}``.
 
 Names: namespaces ``{prefix}-h{h}``, ``{prefix}-l{h}``, ``{prefix}-s{p}``; interfaces are created
 directly inside them, so the root namespace never holds a testbed link. :func:`down_all` removes
@@ -85,8 +90,11 @@ _HOST_SYSCTLS = (
     "net.ipv4.conf.default.rp_filter=0",
     "net.ipv6.conf.all.disable_ipv6=1",
     "net.ipv6.conf.default.disable_ipv6=1",
+    "net.ipv4.fib_multipath_hash_policy=1",  # ECMP by the 5-tuple, as datacenter switches do
 )
 _SWITCH_SYSCTLS = (*_HOST_SYSCTLS, "net.ipv4.ip_forward=1")
+#: Third octet of the ECMP addresses (path subnets are 0..MAX_SPINES-1, transit 64 and up).
+ECMP_NET = 100
 USERNS_ENV = "GRADLANE_TESTBED_USERNS"
 NEEDS_ROOT = (
     "the testbed needs root (or unprivileged user namespaces, which this kernel does not allow)"
@@ -116,6 +124,11 @@ def _leaf_uplink(path: int, host: int) -> str:
 
 def _spine_port(path: int, host: int) -> str:
     return f"10.200.{192 + path}.{host + 1}"
+
+
+def ecmp_addr(host: int) -> str:
+    """Host ``host``'s ECMP address: routed over every spine, by a hash of each flow's ports."""
+    return f"10.200.{ECMP_NET}.{host + 1}"
 
 
 @dataclass(frozen=True)
@@ -200,6 +213,62 @@ def state_path(prefix: str) -> Path:
     """Where ``gradlane testbed up`` records what it created for ``prefix``."""
     base = Path("/run/gradlane") if os.geteuid() == 0 else Path(tempfile.gettempdir())
     return base / f"gradlane-testbed-{prefix}.json"
+
+
+def ip_plan(spec: TestbedSpec) -> tuple[list[str], dict[str, list[str]]]:
+    """The ``ip -batch`` lines that wire ``spec``: veth pairs (run in the root namespace) and,
+    per namespace, interfaces, addresses and routes (see the module docstring for the plan)."""
+    pre = spec.prefix
+    hosts = [f"{pre}-h{h}" for h in range(spec.hosts)]
+    leaves = [f"{pre}-l{h}" for h in range(spec.hosts)]
+    spines = [f"{pre}-s{s}" for s in range(spec.spines)]
+    links = []
+    per_ns: dict[str, list[str]] = {ns: ["link set lo up"] for ns in spec.namespaces()}
+
+    def port(ns: str, dev: str, local: str, peer: str) -> None:
+        per_ns[ns] += [
+            f"link set {dev} mtu {spec.mtu} gso_max_segs 1 up",
+            f"addr add {local} peer {peer}/32 dev {dev}",
+        ]
+
+    for h in range(spec.hosts):
+        for p in range(spec.spines):
+            links.append(
+                f"link add e{p} netns {hosts[h]} type veth peer name h{p} netns {leaves[h]}"
+            )
+            links.append(
+                f"link add s{p} netns {leaves[h]} type veth peer name l{h} netns {spines[p]}"
+            )
+            port(hosts[h], f"e{p}", path_addr(p, h), _leaf_host_port(p, h))
+            per_ns[hosts[h]].append(
+                f"route add 10.200.{p}.0/24 via {_leaf_host_port(p, h)} dev e{p} "
+                f"src {path_addr(p, h)}"
+            )
+            port(leaves[h], f"h{p}", _leaf_host_port(p, h), path_addr(p, h))
+            port(leaves[h], f"s{p}", _leaf_uplink(p, h), _spine_port(p, h))
+            per_ns[leaves[h]].append(f"route add 10.200.{p}.0/24 via {_spine_port(p, h)} dev s{p}")
+            port(spines[p], f"l{h}", _spine_port(p, h), _leaf_uplink(p, h))
+            per_ns[spines[p]].append(
+                f"route add {path_addr(p, h)}/32 via {_leaf_uplink(p, h)} dev l{h}"
+            )
+            per_ns[spines[p]].append(
+                f"route add {ecmp_addr(h)}/32 via {_leaf_uplink(p, h)} dev l{h}"
+            )
+        # ECMP: the host hashes flows over its rails, the leaf over its uplinks (and rails down).
+        rails = " ".join(
+            f"nexthop via {_leaf_host_port(p, h)} dev e{p}" for p in range(spec.spines)
+        )
+        ups = " ".join(f"nexthop via {_spine_port(p, h)} dev s{p}" for p in range(spec.spines))
+        downs = " ".join(f"nexthop via {path_addr(p, h)} dev h{p}" for p in range(spec.spines))
+        per_ns[hosts[h]] += [
+            f"addr add {ecmp_addr(h)}/32 dev lo",
+            f"route add 10.200.{ECMP_NET}.0/24 src {ecmp_addr(h)} {rails}",
+        ]
+        per_ns[leaves[h]] += [
+            f"route add {ecmp_addr(h)}/32 {downs}",
+            f"route add 10.200.{ECMP_NET}.0/24 {ups}",
+        ]
+    return links, per_ns
 
 
 class _Runner:
@@ -363,8 +432,9 @@ class Host:
         index: host number ``h``.
         netns: namespace name.
         addrs: ``addrs[p]`` is this host's address on path ``p`` (routed via spine ``p``).
-        ecmp_addr: an address hashed over the spines; this testbed pins every address to one
-            spine, so it is ``None`` (use ``addrs`` and spray).
+        ecmp_addr: an address whose flows are hashed over the spines by their 5-tuple (as
+            ECMP in a datacenter fabric does): one TCP connection stays on one spine, different
+            connections spread. ``10.200.100.{h+1}``.
     """
 
     index: int
@@ -490,54 +560,20 @@ class Testbed:
     def _build(self) -> None:
         spec, r = self.spec, self.runner
         hosts = [f"{spec.prefix}-h{h}" for h in range(spec.hosts)]
-        leaves = [f"{spec.prefix}-l{h}" for h in range(spec.hosts)]
-        spines = [f"{spec.prefix}-s{s}" for s in range(spec.spines)]
         for ns in spec.namespaces():  # not batched: a batch's setns back fails in a user namespace
             r.run(["ip", "netns", "add", ns])
         for ns in spec.namespaces():
             sysctls = _SWITCH_SYSCTLS if ns not in hosts else _HOST_SYSCTLS
             r.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *sysctls])
-        links = []
-        for h in range(spec.hosts):
-            for p in range(spec.spines):
-                links.append(
-                    f"link add e{p} netns {hosts[h]} type veth peer name h{p} netns {leaves[h]}"
-                )
-                links.append(
-                    f"link add s{p} netns {leaves[h]} type veth peer name l{h} netns {spines[p]}"
-                )
+        links, per_ns = ip_plan(spec)
         r.batch("ip", None, links)
-        per_ns: dict[str, list[str]] = {ns: ["link set lo up"] for ns in spec.namespaces()}
-
-        def port(ns: str, dev: str, local: str, peer: str) -> None:
-            per_ns[ns] += [
-                f"link set {dev} mtu {spec.mtu} gso_max_segs 1 up",
-                f"addr add {local} peer {peer}/32 dev {dev}",
-            ]
-
-        for h in range(spec.hosts):
-            for p in range(spec.spines):
-                port(hosts[h], f"e{p}", path_addr(p, h), _leaf_host_port(p, h))
-                per_ns[hosts[h]].append(
-                    f"route add 10.200.{p}.0/24 via {_leaf_host_port(p, h)} dev e{p} "
-                    f"src {path_addr(p, h)}"
-                )
-                port(leaves[h], f"h{p}", _leaf_host_port(p, h), path_addr(p, h))
-                port(leaves[h], f"s{p}", _leaf_uplink(p, h), _spine_port(p, h))
-                per_ns[leaves[h]].append(
-                    f"route add 10.200.{p}.0/24 via {_spine_port(p, h)} dev s{p}"
-                )
-                port(spines[p], f"l{h}", _spine_port(p, h), _leaf_uplink(p, h))
-                per_ns[spines[p]].append(
-                    f"route add {path_addr(p, h)}/32 via {_leaf_uplink(p, h)} dev l{h}"
-                )
         for ns, lines in per_ns.items():
             r.batch("ip", ns, lines)
         shape = spec.port_shape()
         for ns, devs in self.switch_ports().items():
             r.batch("tc", ns, [line for dev in devs for line in port_commands(dev, shape)])
         self.hosts = [
-            Host(h, hosts[h], [path_addr(p, h) for p in range(spec.spines)], None, self)
+            Host(h, hosts[h], [path_addr(p, h) for p in range(spec.spines)], ecmp_addr(h), self)
             for h in range(spec.hosts)
         ]
 

@@ -36,6 +36,21 @@ while True:
     s.sendto(data, peer)
 """
 
+FLOWS = """
+import socket, sys
+ok = 0
+for i in range(int(sys.argv[4])):  # one socket per flow: a new source port, a new ECMP hash
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((sys.argv[1], 0))
+        s.settimeout(2.0)
+        s.sendto(b"flow", (sys.argv[2], int(sys.argv[3])))
+        try:
+            ok += s.recv(16) == b"flow"
+        except TimeoutError:
+            pass
+print(ok)
+"""
+
 PROBE = """
 import json, socket, sys, time
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -200,6 +215,25 @@ def test_every_path_reaches_the_other_host_through_its_own_spine(prefix):
             after = {p: _sent(bed, f"{prefix}-s{p}/l1") for p in range(2)}
             assert after[path] - before[path] >= 5  # the probes crossed spine `path`
             assert after[1 - path] == before[1 - path]  # and not the other one
+
+
+def test_ecmp_address_spreads_flows_over_the_spines(prefix):
+    with Testbed(TestbedSpec(hosts=2, spines=2, prefix=prefix)) as bed:
+        h0, h1 = bed.hosts
+        assert (h0.ecmp_addr, h1.ecmp_addr) == ("10.200.100.1", "10.200.100.2")
+        _echo(bed, 1, 7004)
+        before = [_sent(bed, f"{prefix}-s{p}/l1") for p in range(2)]
+        out = h0.run(
+            [sys.executable, "-c", FLOWS, h0.ecmp_addr, h1.ecmp_addr, "7004", "32"],
+            timeout=DEADLINE_S + 64,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.strip() == "32"  # every flow got its echo back
+        after = [_sent(bed, f"{prefix}-s{p}/l1") for p in range(2)]
+        # 32 flows hashed over 2 spines: both carry some (all on one: probability 2**-31).
+        assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
 
 
 # -- cross traffic ---------------------------------------------------------------------------

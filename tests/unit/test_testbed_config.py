@@ -8,7 +8,7 @@ import pytest
 
 from bench.crosstraffic import FlowSpec
 from bench.impair import ImpairSpec
-from bench.testbed import TestbedSpec, path_addr
+from bench.testbed import TestbedSpec, ip_plan, path_addr
 from bench.testbed_tc import PortShape, class_table, parse_qdisc_stats, port_commands
 from scheduling.priority import PriorityConfig
 from transport.errors import ConfigError
@@ -41,6 +41,19 @@ def test_namespaces_and_addresses_follow_the_documented_plan():
     )
     assert spec.namespaces() == [*hosts, *leaves, *spines]
     assert path_addr(1, 2) == "10.200.1.3"
+
+
+def test_ip_plan_pins_each_path_to_its_spine_and_hashes_the_ecmp_address():
+    spec = TestbedSpec(hosts=2, spines=3, prefix="ab")
+    links, per_ns = ip_plan(spec)
+    assert len(links) == 2 * 2 * 3  # host-leaf and leaf-spine per host and spine
+    assert "route add 10.200.2.0/24 via 10.200.66.2 dev e2 src 10.200.2.2" in per_ns["ab-h1"]
+    assert "route add 10.200.1.0/24 via 10.200.193.1 dev s1" in per_ns["ab-l0"]
+    assert "route add 10.200.0.2/32 via 10.200.128.2 dev l1" in per_ns["ab-s0"]
+    ecmp = [ln for ln in per_ns["ab-l0"] if ln.startswith("route add 10.200.100.0/24")]
+    assert len(ecmp) == 1 and ecmp[0].count("nexthop") == 3
+    every = [ln for lines in per_ns.values() for ln in lines] + links
+    assert all("mtu 9000 gso_max_segs 1" in ln for ln in every if ln.startswith("link set e"))
 
 
 def test_plain_port_is_one_shaped_class_with_a_packet_queue():
