@@ -9,7 +9,8 @@ The leaf (one per host, a top-of-rack switch) forwards path ``p`` to spine ``p``
 to the destination's leaf. So traffic between two hosts' path-``p`` addresses always crosses
 leaf, spine ``p``, leaf: every host pair has ``spines`` disjoint paths, and the one a packet takes
 is chosen by the addresses a sender uses (gradlane's per-packet multipath sprays over them).
-Each host also has an *ECMP address* ``10.200.100.{h+1}`` (on ``lo``): hosts and leaves route
+Each host also has an *ECMP address* ``10.200.100.{h+1}`` (on interface ``ec0``, so
+``GLOO_SOCKET_IFNAME=ec0`` picks it): hosts and leaves route
 it with multipath routes hashed on the 5-tuple, like ECMP in a datacenter fabric, so a baseline
 such as gloo's TCP can use the fabric the way it would in production (each connection on one
 spine, different connections spread).
@@ -95,6 +96,8 @@ _HOST_SYSCTLS = (
 _SWITCH_SYSCTLS = (*_HOST_SYSCTLS, "net.ipv4.ip_forward=1")
 #: Third octet of the ECMP addresses (path subnets are 0..MAX_SPINES-1, transit 64 and up).
 ECMP_NET = 100
+#: Host interface that carries the ECMP address (for ``GLOO_SOCKET_IFNAME`` and the like).
+ECMP_IFNAME = "ec0"
 USERNS_ENV = "GRADLANE_TESTBED_USERNS"
 NEEDS_ROOT = (
     "the testbed needs root (or unprivileged user namespaces, which this kernel does not allow)"
@@ -261,7 +264,12 @@ def ip_plan(spec: TestbedSpec) -> tuple[list[str], dict[str, list[str]]]:
         ups = " ".join(f"nexthop via {_spine_port(p, h)} dev s{p}" for p in range(spec.spines))
         downs = " ".join(f"nexthop via {path_addr(p, h)} dev h{p}" for p in range(spec.spines))
         per_ns[hosts[h]] += [
-            f"addr add {ecmp_addr(h)}/32 dev lo",
+            # A veth of its own (not lo) so that tools binding by interface name, like
+            # GLOO_SOCKET_IFNAME, find exactly this address.
+            f"link add {ECMP_IFNAME} type veth peer name {ECMP_IFNAME[:-1]}x",
+            f"link set {ECMP_IFNAME[:-1]}x up",
+            f"link set {ECMP_IFNAME} up",
+            f"addr add {ecmp_addr(h)}/32 dev {ECMP_IFNAME}",
             f"route add 10.200.{ECMP_NET}.0/24 src {ecmp_addr(h)} {rails}",
         ]
         per_ns[leaves[h]] += [
@@ -434,7 +442,8 @@ class Host:
         addrs: ``addrs[p]`` is this host's address on path ``p`` (routed via spine ``p``).
         ecmp_addr: an address whose flows are hashed over the spines by their 5-tuple (as
             ECMP in a datacenter fabric does): one TCP connection stays on one spine, different
-            connections spread. ``10.200.100.{h+1}``.
+            connections spread. ``10.200.100.{h+1}`` on interface ``ec0``
+            (:data:`ECMP_IFNAME`; ``GLOO_SOCKET_IFNAME=ec0`` makes gloo use it).
     """
 
     index: int
