@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from bench.crosstraffic import FlowSpec
 from bench.impair import ImpairSpec
-from bench.testbed import TestbedSpec, ip_plan, path_addr
+from bench.testbed import ECMP_IFNAME, TestbedSpec, ip_plan, path_addr
 from bench.testbed_tc import PortShape, class_table, parse_qdisc_stats, port_commands
 from scheduling.priority import PriorityConfig
 from transport.errors import ConfigError
@@ -53,7 +54,9 @@ def test_ip_plan_pins_each_path_to_its_spine_and_hashes_the_ecmp_address():
     ecmp = [ln for ln in per_ns["ab-l0"] if ln.startswith("route add 10.200.100.0/24")]
     assert len(ecmp) == 1 and ecmp[0].count("nexthop") == 3
     every = [ln for lines in per_ns.values() for ln in lines] + links
-    assert all("mtu 9000 gso_max_segs 1" in ln for ln in every if ln.startswith("link set e"))
+    rails = [ln for ln in every if re.match(r"link set e\d ", ln)]
+    assert len(rails) == 2 * 3 and all("mtu 9000 gso_max_segs 1" in ln for ln in rails)
+    assert f"addr add 10.200.100.2/32 dev {ECMP_IFNAME}" in per_ns["ab-h1"]
 
 
 def test_plain_port_is_one_shaped_class_with_a_packet_queue():
