@@ -38,9 +38,11 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -126,6 +128,10 @@ class NetParams:
     hard_deadline_s: float = 30.0
     controller: str = "loss-tolerant"
     """Pacing controller on a real network (``fixed``: the even share of the link, constant)."""
+    tx_quantum_packets: int = 4
+    """Packets' worth of pacing tokens per send burst (fewer wake-ups per byte when larger)."""
+    rx_coalesce_s: float = 0.0
+    """Hold received datagrams this long to process them as one batch."""
 
     @property
     def chunk_bytes(self) -> int:
@@ -162,6 +168,8 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
         n_paths=n,
         multipath=True,
         nic_rate_Bps=net.nic_Bps,
+        tx_quantum_packets=net.tx_quantum_packets,
+        rx_coalesce_s=net.rx_coalesce_s,
         seed=seed,
         priority=prio,
         loss=loss,
@@ -171,7 +179,7 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
             min_rate_Bps=min(1e6, share),
             max_rate_Bps=net.link_Bps,
             increase_Bps_per_s=net.link_Bps * 4,
-            burst_bytes=max(64 * 1024, 8 * net.chunk_bytes),
+            burst_bytes=max(64 * 1024, 2 * net.tx_quantum_packets * net.chunk_bytes),
         ),
     )
 
@@ -254,6 +262,11 @@ def _gradients(plan: StepPlan, rank: int, seed: int) -> dict[int, np.ndarray]:
         noise = np.random.default_rng([seed, b, rank + 1]).standard_normal(n)
         out[b] = ((signal + 0.5 * noise) * scale).astype(np.float32)
     return out
+
+
+def _stamp(done: dict[int, float], bucket: int, stamped: threading.Event, _: object) -> None:
+    done[bucket] = time.monotonic()
+    stamped.set()
 
 
 class _Rank:
@@ -343,6 +356,7 @@ class _Rank:
         submitted: dict[int, float] = {}
         done: dict[int, float] = {}
         waits = []
+        events: dict[int, threading.Event] = {}
         cpu0 = time.process_time()  # every thread of this rank: the engine's and gloo's too
         t0 = time.monotonic()
         for b, _, ready, pos in sorted(plan.buckets, key=lambda x: x[2]):
@@ -362,8 +376,12 @@ class _Rank:
                     out=self.bufs[b],
                     pinned=cfg.priority and b == protected,
                 )
-                fut.add_done_callback(lambda _, b=b: done.__setitem__(b, time.monotonic()))
+                # Time-stamped on the engine's thread as it completes; a Future wakes its waiters
+                # before it runs callbacks, so the waiter below also waits for this stamp.
+                stamped = threading.Event()
+                fut.add_done_callback(partial(_stamp, done, b, stamped))
                 waits.append((b, fut))
+                events[b] = stamped
         # gloo's TCP reports no per-path bytes (it uses path 0 only); an engine, its paths'.
         n_paths = 0 if engine is None else engine.config.n_paths
         delivered, per_path, retx, degraded = 1.0, [0] * n_paths, 0, 0
@@ -372,6 +390,7 @@ class _Rank:
                 done[b] = float(w.wait())
                 continue
             _, report = w.result(self.timeout)
+            events[b].wait(self.timeout)
             delivered = min(delivered, report.delivered_fraction)
             degraded += int(report.degraded)
             retx += sum(report.sender.retransmitted)
