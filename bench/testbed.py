@@ -99,6 +99,7 @@ ECMP_NET = 100
 #: Host interface that carries the ECMP address (for ``GLOO_SOCKET_IFNAME`` and the like).
 ECMP_IFNAME = "ec0"
 USERNS_ENV = "GRADLANE_TESTBED_USERNS"
+CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21  # linux/capability.h
 NEEDS_ROOT = (
     "the testbed needs root (or unprivileged user namespaces, which this kernel does not allow)"
 )
@@ -191,6 +192,21 @@ class TestbedSpec:
         return PortShape(self.link_mbit, self.queue_packets, self.priority, mtu=self.mtu)
 
 
+def _has_admin_caps() -> bool:
+    """True when this process may manage namespaces and links (CAP_SYS_ADMIN, CAP_NET_ADMIN).
+
+    Checked on the effective capability set, not the uid: root in a container without them
+    must take the user-namespace route like everyone else.
+    """
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return os.geteuid() == 0
+    eff = next((ln.split()[1] for ln in status.splitlines() if ln.startswith("CapEff:")), "0")
+    caps = int(eff, 16)
+    return bool(caps & (1 << CAP_SYS_ADMIN)) and bool(caps & (1 << CAP_NET_ADMIN))
+
+
 def privilege() -> str:
     """``"root"``, ``"userns"`` (unprivileged user namespaces work) or raise TestbedUnavailable.
 
@@ -199,11 +215,11 @@ def privilege() -> str:
     missing = [tool for tool in ("ip", "tc", "nsenter", "unshare") if shutil.which(tool) is None]
     if missing:
         raise TestbedUnavailable(f"the testbed needs iproute2 and util-linux; missing: {missing}")
-    if os.geteuid() == 0 and os.environ.get(USERNS_ENV) != "1":
+    if _has_admin_caps() and os.environ.get(USERNS_ENV) != "1":
         return "root"
     try:
         probe = subprocess.run(
-            ["unshare", "-Urm", "true"], check=False, capture_output=True, timeout=10
+            ["unshare", "-Urmn", "true"], check=False, capture_output=True, timeout=10
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise TestbedUnavailable(f"{NEEDS_ROOT}: {exc}") from exc
