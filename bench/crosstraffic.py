@@ -23,6 +23,8 @@ from transport.errors import ConfigError
 
 __all__ = ["CrossTraffic", "FlowSpec", "start"]
 
+#: IPv4 + UDP header bytes inside the MTU.
+IP_UDP_HEADERS = 28
 #: Seconds a sender or sink gets to report ``ready``.
 READY_TIMEOUT_S = 20.0
 _next_port = [5200]
@@ -42,7 +44,7 @@ class FlowSpec:
         on_s: mean burst length in seconds (``onoff``); off_s: mean silence.
         dscp: DSCP mark of the flow's packets (0 = best effort).
         seed: seed of the on/off schedule.
-        payload: UDP payload bytes per datagram (default: fills a 9000-byte MTU).
+        payload: UDP payload bytes per datagram (:func:`start` fills the testbed's MTU).
     """
 
     spine: int = 0
@@ -143,9 +145,15 @@ def start(bed: Testbed, spine: int, rate_mbit: float | None, **kw: Any) -> Cross
     The testbed stops it at ``down`` if the caller does not; ``port`` picks the UDP/TCP port.
     """
     port = kw.pop("port", None)
+    kw.setdefault("payload", bed.spec.mtu - IP_UDP_HEADERS)  # one datagram fills one frame
     spec = FlowSpec(spine=spine, rate_mbit=rate_mbit, **kw)
     if not 0 <= spine < bed.spec.spines:
         raise ConfigError(f"spine {spine} out of range [0, {bed.spec.spines})")
+    if spec.proto == "udp" and spec.payload + IP_UDP_HEADERS > bed.spec.mtu:
+        raise ConfigError(
+            f"payload {spec.payload} does not fit the MTU {bed.spec.mtu} "
+            f"(at most {bed.spec.mtu - IP_UDP_HEADERS} bytes)"
+        )
     for host in (spec.src, spec.dst):
         if not 0 <= host < bed.spec.hosts:
             raise ConfigError(f"host {host} out of range [0, {bed.spec.hosts})")
