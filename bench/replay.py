@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import selectors
 import shlex
 import socket
 import subprocess
@@ -40,9 +39,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import IO, Any, Protocol
+from functools import partial
+from typing import Any, Protocol
 
+from bench.rankpipes import RankError, RankPipes
 from bench.replay_rank import NetParams, ReplayConfig, config_names, describe
 from integrations.cli import emit, progress
 from integrations.trace import read_trace
@@ -59,13 +59,12 @@ __all__ = [
     "run_replay",
 ]
 
-REPO = Path(__file__).resolve().parents[1]
 #: Seconds without a word from any rank before the replay gives up.
 SILENCE_S = 120.0
 
 
-class ReplayError(RuntimeError):
-    """A rank failed or went silent; the message carries its error and stderr."""
+#: A rank failed or went silent; the message carries its error and stderr.
+ReplayError = RankError
 
 
 class Network(Protocol):
@@ -210,39 +209,19 @@ def run_replay(
         "seed": opts.seed,
         "timeout_s": opts.timeout_s,
     }
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    procs: list[subprocess.Popen[Any]] = []
     links: dict[str, Any] = {}
     machine: dict[str, float] = {}
     before = net.link_stats()
+    load_before = os.getloadavg()
     t0 = time.monotonic()
-    stack = contextlib.ExitStack()  # every rank's stderr file, closed at the end
-    errs: list[IO[bytes]] = [
-        stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 (the stack closes them)
-        for _ in range(net.world)
-    ]
+    jobs = [{**job, "rank": r, "addrs": net.addrs(r)} for r in range(net.world)]
     try:
-        for rank, err in enumerate(errs):
-            p = net.popen(
-                rank,
-                [sys.executable, "-m", "bench.replay_rank"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                env=env,
+        with RankPipes() as ranks:
+            ranks.start(
+                [partial(net.popen, r) for r in range(net.world)], "bench.replay_rank", jobs
             )
-            procs.append(p)
-            assert p.stdin is not None
-            p.stdin.write(
-                (json.dumps({**job, "rank": rank, "addrs": net.addrs(rank)}) + "\n").encode()
-            )
-            p.stdin.close()
-        steps = _collect(opts, net, procs, errs, before, links, machine, on_progress)
+            steps = _collect(opts, net, ranks, before, links, machine, on_progress)
     finally:
-        for p in procs:
-            _stop(p)
-        stack.close()
         if trace != opts.trace:
             with contextlib.suppress(OSError):
                 os.unlink(trace)
@@ -260,6 +239,8 @@ def run_replay(
         "link_stats": links,
         "machine_cores_busy": machine,
         "cpus": os.cpu_count(),
+        # Other work on a shared machine shows here (1-minute load averages, before and after).
+        "load_avg_1m": [load_before[0], os.getloadavg()[0]],
         "wall_s": time.monotonic() - t0,
     }
 
@@ -267,72 +248,39 @@ def run_replay(
 def _collect(
     opts: ReplayOptions,
     net: Network,
-    procs: list[subprocess.Popen[Any]],
-    errs: list[IO[bytes]],
+    ranks: RankPipes,
     before: dict[str, Any] | None,
     links: dict[str, Any],
     machine: dict[str, float],
     on_progress: Callable[[str, int, int], None] | None,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Read every rank's lines until all are done; merge step records across ranks."""
-    world = net.world
+    """Read every rank's messages until all are done; merge step records across ranks.
+
+    At rank 0's end of each configuration the switch counters and the machine's CPU time are
+    read, so they are attributed per configuration (the ranks leave a configuration together,
+    at a barrier).
+    """
     pending: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
     merged: dict[str, list[dict[str, Any]]] = {name: [] for name in opts.configs}
-    done: set[int] = set()
     cpu_then = _cpu_jiffies()
-    deadline = time.monotonic() + opts.timeout_s
-    heard = time.monotonic()
-    bufs = {p.stdout.fileno(): b"" for p in procs if p.stdout is not None}
-    with selectors.DefaultSelector() as sel:
-        for rank, p in enumerate(procs):
-            assert p.stdout is not None
-            sel.register(p.stdout, selectors.EVENT_READ, rank)
-        while len(done) < world:
-            now = time.monotonic()
-            if now > deadline:
-                raise ReplayError(f"the replay did not finish within {opts.timeout_s:.0f}s")
-            if now - heard > SILENCE_S:
-                raise ReplayError(f"no word from the ranks for {SILENCE_S:.0f}s{_tails(errs)}")
-            for key, _ in sel.select(timeout=1.0):
-                rank = key.data
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                    if rank not in done:
-                        code = procs[rank].wait(10)
-                        raise ReplayError(
-                            f"rank {rank} exited (status {code}) before it finished"
-                            f"{_tails(errs, [rank])}"
-                        )
-                    continue
-                heard = time.monotonic()
-                bufs[key.fd] += chunk
-                *lines, bufs[key.fd] = bufs[key.fd].split(b"\n")
-                for line in lines:
-                    msg = json.loads(line)
-                    kind = msg.get("type")
-                    if kind == "error":
-                        raise ReplayError(
-                            f"rank {msg.get('rank')} failed: {msg['message']}\n{msg.get('tb', '')}"
-                        )
-                    if kind == "done":
-                        done.add(rank)
-                    elif kind == "config_done" and rank == 0:
-                        cpu_now = _cpu_jiffies()
-                        machine[msg["config"]] = _cores_busy(cpu_then, cpu_now)
-                        cpu_then = cpu_now
-                        if before is not None:
-                            after = net.link_stats() or {}
-                            links[msg["config"]] = _delta(before, after)
-                            before = after
-                    elif kind == "step":
-                        key2 = (msg["config"], msg["step"])
-                        got = pending.setdefault(key2, {})
-                        got[rank] = msg
-                        if len(got) == world:
-                            merged[msg["config"]].append(_merge(pending.pop(key2)))
-                            if on_progress is not None:
-                                on_progress(msg["config"], msg["step"] + 1, opts.steps)
+    for rank, msg in ranks.messages(opts.timeout_s, SILENCE_S):
+        kind = msg.get("type")
+        if kind == "config_done" and rank == 0:
+            cpu_now = _cpu_jiffies()
+            machine[msg["config"]] = _cores_busy(cpu_then, cpu_now)
+            cpu_then = cpu_now
+            if before is not None:
+                after = net.link_stats() or {}
+                links[msg["config"]] = _delta(before, after)
+                before = after
+        elif kind == "step":
+            key = (msg["config"], msg["step"])
+            got = pending.setdefault(key, {})
+            got[rank] = msg
+            if len(got) == net.world:
+                merged[msg["config"]].append(_merge(pending.pop(key)))
+                if on_progress is not None:
+                    on_progress(msg["config"], msg["step"] + 1, opts.steps)
     for recs in merged.values():
         recs.sort(key=lambda r: r["step"])
     return merged
@@ -408,30 +356,6 @@ def _back_to_back(path: str, records: list[dict[str, Any]], metas: list[dict[str
     return tmp
 
 
-def _tails(errs: list[IO[bytes]], ranks: list[int] | None = None) -> str:
-    """The last lines each rank wrote to stderr."""
-    out = []
-    for rank in ranks if ranks is not None else range(len(errs)):
-        e = errs[rank]
-        e.seek(0)
-        text = e.read().decode(errors="replace").strip().splitlines()[-15:]
-        if text:
-            out.append(f"\n--- rank {rank} stderr ---\n" + "\n".join(text))
-    return "".join(out)
-
-
-def _stop(p: subprocess.Popen[Any]) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-    if p.stdout is not None:
-        p.stdout.close()
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -502,6 +426,12 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     tb.add_argument("--tx-quantum", type=int, default=64, help="packets per paced send burst")
     tb.add_argument(
         "--rx-coalesce-us", type=float, default=1000.0, help="receive batching in µs (1000)"
+    )
+    tb.add_argument(
+        "--path-suspect-ms",
+        type=float,
+        default=500.0,
+        help="a path silent this long is suspect, 4x as long down (default 500)",
     )
 
 
@@ -585,6 +515,7 @@ def _on_testbed(
             controller=args.pacing,
             tx_quantum_packets=args.tx_quantum,
             rx_coalesce_s=args.rx_coalesce_us * 1e-6,
+            suspect_after_s=args.path_suspect_ms * 1e-3,
         )
         if cross > 0:
             bed.cross_traffic(0, cross * spec.link_mbit, proto=args.cross_proto)

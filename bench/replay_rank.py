@@ -47,12 +47,15 @@ from typing import Any
 
 import numpy as np
 
+from bench.rankpipes import say
+
 __all__ = [
     "NetParams",
     "ReplayConfig",
     "StepPlan",
     "config_names",
     "describe",
+    "ifname_of",
     "main",
     "plan_steps",
     "transport_config",
@@ -132,6 +135,8 @@ class NetParams:
     """Packets' worth of pacing tokens per send burst (fewer wake-ups per byte when larger)."""
     rx_coalesce_s: float = 0.0
     """Hold received datagrams this long to process them as one batch."""
+    suspect_after_s: float = 0.05
+    """A path silent this long is suspect (and 4x this long, down): ``PathConfig``."""
 
     @property
     def chunk_bytes(self) -> int:
@@ -145,6 +150,7 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
     """The engine's ``TransportConfig`` for one configuration on one network."""
     from scheduling.loss import LossConfig
     from scheduling.pacing import PacingConfig
+    from scheduling.paths import PathConfig
     from scheduling.priority import PriorityConfig
     from transport.config import TransportConfig, loopback_config
 
@@ -173,6 +179,11 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
         seed=seed,
         priority=prio,
         loss=loss,
+        # Emulated hosts share two cores with the switches' forwarding: a rank can go unserved
+        # for tens of milliseconds, so silence means a dead path only after much longer than on
+        # real hardware (with the defaults, 50 ms / 200 ms, a congested run sent every byte of
+        # udp-bounded over the congested spine: the idle one had been written off).
+        paths=PathConfig(suspect_after_s=net.suspect_after_s, down_after_s=4 * net.suspect_after_s),
         pacing=PacingConfig(
             controller=net.controller,
             initial_rate_Bps=share,
@@ -227,12 +238,7 @@ def describe(cfg: ReplayConfig) -> dict[str, Any]:
 
 
 # -- the rank process ------------------------------------------------------------------------------
-def _say(**msg: Any) -> None:
-    sys.stdout.write(json.dumps(msg, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
-
-
-def _ifname_of(addr: str) -> str | None:
+def ifname_of(addr: str) -> str | None:
     """The interface that holds ``addr`` (for gloo's GLOO_SOCKET_IFNAME), or None."""
     try:
         out = subprocess.run(
@@ -290,7 +296,7 @@ class _Rank:
         self.bufs = {b: g.copy() for b, g in self.grads.items()}
         torch.set_num_threads(1)
         if not self.net.loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
-            ifname = _ifname_of(self.addrs[0])
+            ifname = ifname_of(self.addrs[0])
             if ifname:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname
         td = datetime.timedelta(seconds=self.timeout)
@@ -303,7 +309,7 @@ class _Rank:
         self.tensors = {b: torch.from_numpy(buf) for b, buf in self.bufs.items()}
 
     def run(self) -> None:
-        _say(type="ready", rank=self.rank)
+        say(type="ready", rank=self.rank)
         for k, name in enumerate(self.job["configs"]):
             cfg = ReplayConfig.parse(name, float(self.job["loss_bound"]))
             engine = None if cfg.transport == "gloo" else self._engine(k, cfg)
@@ -313,9 +319,9 @@ class _Rank:
                 if engine is not None:
                     self.dist.barrier()  # every rank is done before any engine stops answering
                     engine.close()
-            _say(type="config_done", config=cfg.name, rank=self.rank)
+            say(type="config_done", config=cfg.name, rank=self.rank)
         self.dist.barrier()
-        _say(type="done", rank=self.rank)
+        say(type="done", rank=self.rank)
 
     def _engine(self, k: int, cfg: ReplayConfig) -> Any:
         from transport.engine import Engine
@@ -349,7 +355,7 @@ class _Rank:
             if i >= 0:
                 rec.update(type="step", config=cfg.name, rank=self.rank, step=i)
                 rec["t_s"] = rec.pop("t0") - t_config
-                _say(**rec)
+                say(**rec)
 
     def _step(self, step_id: int, cfg: ReplayConfig, engine: Any, plan: StepPlan) -> dict[str, Any]:
         protected = plan.protected
@@ -431,7 +437,7 @@ def main() -> int:
         finally:
             r.close()
     except BaseException as e:  # reported to the parent, which stops every rank
-        _say(type="error", rank=rank, message=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
+        say(type="error", rank=rank, message=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
         return 1
     return 0
 

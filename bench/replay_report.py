@@ -150,6 +150,7 @@ def build(raw: dict[str, Any], command: str) -> dict[str, Any]:
             for n in stats
         },
         "cpus": raw.get("cpus"),
+        "load_avg_1m": raw.get("load_avg_1m"),
         "link_stats": raw.get("link_stats", {}),
         "wall_s": raw["wall_s"],
         "steps": raw["steps"],
