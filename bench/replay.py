@@ -46,6 +46,7 @@ from bench.rankpipes import RankError, RankPipes
 from bench.replay_rank import NetParams, ReplayConfig, config_names, describe
 from integrations.cli import emit, progress
 from integrations.trace import read_trace
+from transport.errors import GradlaneError
 
 __all__ = [
     "SCENARIOS",
@@ -476,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
     except ReplayError as e:
         emit(f"gradlane bench replay failed: {e}", err=True)
         return 1
-    except RuntimeError as e:  # TestbedUnavailable and TestbedError (GradlaneError) among them
+    except GradlaneError as e:  # TestbedUnavailable (not root: it says so), TestbedError
         emit(f"gradlane bench replay: {e}", err=True)
         return 2
     from bench import replay_report
