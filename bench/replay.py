@@ -78,6 +78,9 @@ class Network(Protocol):
     def addrs(self, rank: int) -> list[str]:
         """``rank``'s local address per path."""
 
+    def gloo_addr(self, rank: int) -> str:
+        """The address of ``rank``'s gloo sockets."""
+
     def master(self) -> tuple[str, int]:
         """Address and port of rank 0's TCPStore."""
 
@@ -104,6 +107,10 @@ class LoopbackNetwork:
         """Every rank has the same loopback path addresses (its own ports)."""
         return [f"127.0.0.{1 + p}" for p in range(self.n_paths)]
 
+    def gloo_addr(self, rank: int) -> str:
+        """127.0.0.1."""
+        return "127.0.0.1"
+
     def master(self) -> tuple[str, int]:
         """127.0.0.1 and a port that was free."""
         return ("127.0.0.1", self._port)
@@ -120,15 +127,24 @@ class LoopbackNetwork:
 class TestbedNetwork:
     """Ranks on a running :class:`bench.testbed.Testbed`, one per host namespace.
 
-    gloo's store and sockets use path 0 (``addrs[0]``: routed via spine 0); gradlane binds one
+    gloo's store and sockets use ``gloo="path0"`` (``addrs[0]``: every connection via spine 0,
+    like a single-path job) or ``"ecmp"`` (``Host.ecmp_addr``: each connection hashed onto one
+    spine, like a datacenter fabric; which spine varies from run to run); gradlane binds one
     socket per path address. Pacing starts at the link rate shared among the peers, and the host
     (one interface per spine) may send at ``spines`` times the link rate in all.
     """
 
     __test__ = False
 
-    def __init__(self, bed: Any, master_port: int = 29400, **transport: Any) -> None:
+    def __init__(
+        self, bed: Any, master_port: int = 29400, gloo: str = "path0", **transport: Any
+    ) -> None:
+        if gloo not in ("path0", "ecmp"):
+            raise ValueError(f"gloo={gloo!r}: path0 or ecmp")
+        if gloo == "ecmp" and bed.hosts[0].ecmp_addr is None:
+            raise ValueError("this testbed has no ECMP addresses")
         self.bed = bed
+        self.gloo = gloo
         spec = bed.spec
         self.world = len(bed.hosts)
         link_Bps = spec.link_mbit * 1e6 / 8
@@ -142,7 +158,8 @@ class TestbedNetwork:
         self.description = (
             f"testbed {spec.prefix}: {spec.hosts} hosts, {spec.spines} spines, "
             f"{spec.link_mbit:g} Mbit/s links, MTU {spec.mtu}, queues {spec.queue_packets} "
-            f"packets, priority-aware switches {'on' if spec.priority else 'off'}"
+            f"packets, priority-aware switches {'on' if spec.priority else 'off'}; gloo over "
+            + ("path 0 (spine 0)" if gloo == "path0" else "the ECMP addresses (hashed)")
         )
         self._port = master_port
 
@@ -151,8 +168,13 @@ class TestbedNetwork:
         return list(self.bed.hosts[rank].addrs)
 
     def master(self) -> tuple[str, int]:
-        """Host 0's path-0 address."""
-        return (self.bed.hosts[0].addrs[0], self._port)
+        """Host 0's gloo address."""
+        return (self.gloo_addr(0), self._port)
+
+    def gloo_addr(self, rank: int) -> str:
+        """The address gloo's sockets use on ``rank``'s host."""
+        host = self.bed.hosts[rank]
+        return str(host.ecmp_addr) if self.gloo == "ecmp" else str(host.addrs[0])
 
     def popen(self, rank: int, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
         """Inside the host's namespace (the testbed reaps it at ``down``)."""
@@ -215,7 +237,10 @@ def run_replay(
     before = net.link_stats()
     load_before = os.getloadavg()
     t0 = time.monotonic()
-    jobs = [{**job, "rank": r, "addrs": net.addrs(r)} for r in range(net.world)]
+    jobs = [
+        {**job, "rank": r, "addrs": net.addrs(r), "gloo_addr": net.gloo_addr(r)}
+        for r in range(net.world)
+    ]
     try:
         with RankPipes() as ranks:
             ranks.start(
@@ -414,6 +439,12 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     tb.add_argument("--queue-packets", type=int, default=1000)
     tb.add_argument("--cross", type=float, help="cross traffic on spine 0, fraction of a link")
     tb.add_argument("--cross-proto", choices=("udp", "tcp"), default="udp")
+    tb.add_argument(
+        "--gloo",
+        choices=("path0", "ecmp"),
+        default="path0",
+        help="gloo over path 0 (spine 0, default) or the hosts' ECMP addresses (hashed)",
+    )
     tb.add_argument("--switch-priority", action="store_true", help="DSCP classes on switch ports")
     tb.add_argument(
         "--pacing",
@@ -513,6 +544,7 @@ def _on_testbed(
     with Testbed(spec) as bed:
         net = TestbedNetwork(
             bed,
+            gloo=args.gloo,
             controller=args.pacing,
             tx_quantum_packets=args.tx_quantum,
             rx_coalesce_s=args.rx_coalesce_us * 1e-6,

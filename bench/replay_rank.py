@@ -296,7 +296,7 @@ class _Rank:
         self.bufs = {b: g.copy() for b, g in self.grads.items()}
         torch.set_num_threads(1)
         if not self.net.loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
-            ifname = ifname_of(self.addrs[0])
+            ifname = ifname_of(job.get("gloo_addr") or self.addrs[0])
             if ifname:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname
         td = datetime.timedelta(seconds=self.timeout)
