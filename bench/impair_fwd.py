@@ -10,19 +10,23 @@ says (``--delay-ms`` plus uniform ``--jitter-ms``). The sockets use ``PACKET_VNE
 local sender's checksum is still "partial" (offloaded) in the frame we read, and handing the
 virtio header back out tells the kernel to finish it.
 
-Prints ``ready`` once its sockets are bound and one JSON line of counters at SIGTERM.
+Prints ``ready`` once its sockets are bound and one JSON line of counters at SIGTERM:
+``received`` (IPv4 frames seen), ``dropped`` (by the RNG), ``forwarded``, ``overrun`` (frames the
+kernel dropped because the forwarder fell behind: loss it did not choose), and a few more.
 ``python -m bench.impair_fwd --ports l0,l1 --loss 0.01 --delay-ms 2``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import random
 import selectors
 import signal
 import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -35,6 +39,7 @@ ETH_P_IP = b"\x08\x00"
 SOL_PACKET = 263
 PACKET_IGNORE_OUTGOING = 23
 PACKET_VNET_HDR = 15
+PACKET_STATISTICS = 6  # struct tpacket_stats {packets, drops}
 SO_RCVBUFFORCE = 33  # asm-generic/socket.h; not exported by the socket module
 #: struct virtio_net_hdr before every frame on a PACKET_VNET_HDR socket.
 VNET = 10
@@ -133,11 +138,16 @@ def _forward(args: argparse.Namespace) -> dict[str, Any]:
         now = time.monotonic()
         while heap and heap[0][0] <= now:
             send(heapq.heappop(heap)[2])
+    # Frames the kernel dropped because this process fell behind: loss we did not choose.
+    overrun = 0
     for s in socks:
+        with contextlib.suppress(OSError):
+            overrun += struct.unpack("II", s.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))[1]
         s.close()
     out.close()
     return {
         **counts,
+        "overrun": overrun,
         "still_delayed": len(heap),
         "max_delayed": max_queue,
         "seconds": time.monotonic() - t0,
