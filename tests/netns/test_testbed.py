@@ -172,6 +172,22 @@ def test_up_down_leaves_no_namespace_link_or_process(prefix):
     assert not (_root_links() - links_before) & ours  # no testbed link in the root namespace
 
 
+def test_down_kills_what_ignores_sigterm_and_what_it_forked(prefix):
+    with Testbed(TestbedSpec(hosts=2, spines=1, prefix=prefix)) as bed:
+        # The shell ignores SIGTERM and so does its child (ignored signals survive exec).
+        stubborn = bed.hosts[0].popen(
+            ["sh", "-c", "trap '' TERM; sleep 600 & echo $!; wait"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert stubborn.stdout is not None
+        child = int(stubborn.stdout.readline())
+    stubborn.stdout.close()
+    assert stubborn.returncode is not None  # reaped
+    assert not _alive(child)  # swept from the namespace although nobody tracked it
+    assert not _names(prefix)
+
+
 def test_teardown_runs_when_the_body_raises(prefix):
     with pytest.raises(RuntimeError, match="boom"), Testbed(TestbedSpec(prefix=prefix)) as bed:
         sleeper = bed.hosts[0].popen(["sleep", "600"])
