@@ -338,18 +338,22 @@ def _merge(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+_COUNTERS = ("sent_bytes", "sent_packets", "drops", "overlimits")
+
+
 def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Counter growth per switch port between two ``link_stats`` snapshots."""
+    """Counter growth per switch port (and per DSCP class of a priority port) between two
+    ``link_stats`` snapshots."""
     out = {}
     for port, cb in b.items():
         ca = a.get(port, {})
-        out[port] = {
-            "link": cb.get("link"),
-            **{
-                k: int(cb.get(k, 0)) - int(ca.get(k, 0))
-                for k in ("sent_bytes", "sent_packets", "drops", "overlimits")
-            },
-        }
+        grown = {k: int(cb.get(k, 0)) - int(ca.get(k, 0)) for k in _COUNTERS}
+        classes = {
+            name: {k: int(c.get(k, 0)) - int(ca.get("classes", {}).get(name, {}).get(k, 0))
+                   for k in _COUNTERS}
+            for name, c in cb.get("classes", {}).items()
+        }  # fmt: skip
+        out[port] = {"link": cb.get("link"), **grown, "classes": classes}
     return out
 
 
