@@ -468,6 +468,13 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
         "--rx-coalesce-us", type=float, default=1000.0, help="receive batching in µs (1000)"
     )
     tb.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other TransportConfig field of gradlane's ranks (e.g. tick_s=0.005)",
+    )
+    tb.add_argument(
         "--path-suspect-ms",
         type=float,
         default=500.0,
@@ -516,7 +523,7 @@ def run(args: argparse.Namespace) -> int:
     except ReplayError as e:
         emit(f"gradlane bench replay failed: {e}", err=True)
         return 1
-    except GradlaneError as e:  # TestbedUnavailable (not root: it says so), TestbedError
+    except (GradlaneError, ValueError) as e:  # not root (it says so), a bad --set, TestbedError
         emit(f"gradlane bench replay: {e}", err=True)
         return 2
     from bench import replay_report
@@ -540,6 +547,7 @@ def _on_testbed(
     from bench.testbed import Testbed, TestbedSpec, privilege
 
     privilege()  # raises TestbedUnavailable, naming what is missing (root)
+    overrides = _settings(args.set)  # bad settings fail before the testbed is built
     cross = args.cross if args.cross is not None else preset.get("cross", 0.0)
     spec = TestbedSpec(
         hosts=args.hosts,
@@ -557,6 +565,7 @@ def _on_testbed(
             tx_quantum_packets=args.tx_quantum,
             rx_coalesce_s=args.rx_coalesce_us * 1e-6,
             suspect_after_s=args.path_suspect_ms * 1e-3,
+            overrides=overrides,
         )
         if cross > 0:
             bed.cross_traffic(0, cross * spec.link_mbit, proto=args.cross_proto)
@@ -564,6 +573,24 @@ def _on_testbed(
                 f"; {args.cross_proto} cross traffic at {cross:.0%} of a link through spine 0"
             )
         return run_replay(opts, net, on_progress)
+
+
+def _settings(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` flags as TransportConfig fields (values parsed as JSON, else strings);
+    unknown keys are a ConfigError naming the valid ones."""
+    from transport.config import TransportConfig
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--set {pair!r}: write KEY=VALUE")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    TransportConfig.from_mapping(out)  # validates names and values here, not in every rank
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

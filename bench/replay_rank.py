@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -137,6 +137,8 @@ class NetParams:
     """Hold received datagrams this long to process them as one batch."""
     suspect_after_s: float = 0.05
     """A path silent this long is suspect (and 4x this long, down): ``PathConfig``."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Any other ``TransportConfig`` fields (top level, e.g. ``{"tick_s": 0.005}``)."""
 
     @property
     def chunk_bytes(self) -> int:
@@ -164,12 +166,14 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
         on_hard_deadline="degrade" if bounded else "raise",
     )
     if net.loopback:
-        return loopback_config(n_paths=n, priority=prio, loss=loss, seed=seed)
+        return replace(
+            loopback_config(n_paths=n, priority=prio, loss=loss, seed=seed), **net.overrides
+        )
     # As in the simulator (bench/netsim_scenarios.py): each (peer, path) starts at an even share
     # of the path so N-1 senders do not incast one receiver, the delay-based controller probes
     # up to the link rate, and the NIC pacer caps the host's total.
     share = net.link_Bps / max(world - 1, 1)
-    return TransportConfig(
+    tcfg = TransportConfig(
         chunk_bytes=net.chunk_bytes,
         n_paths=n,
         multipath=True,
@@ -193,6 +197,7 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
             burst_bytes=max(64 * 1024, 2 * net.tx_quantum_packets * net.chunk_bytes),
         ),
     )
+    return replace(tcfg, **net.overrides)
 
 
 @dataclass(frozen=True)
