@@ -16,8 +16,10 @@ report (:mod:`bench.replay_report`: JSON with a ``"summary"``, PNG plots).
 Configurations (``--configs``, names from :func:`bench.replay_rank.config_names`): ``gloo``
 (``dist.all_reduce`` over TCP, the baseline), ``udp-reliable`` and ``udp-bounded`` (gradlane's
 engine, loss bound 0 and ``--loss-bound``), each with ``+flat`` (priority off: one class, DSCP 0)
-and ``+1path`` (multipath off: path 0 only). They run one after another in the same processes,
-over the same network and cross traffic, so their ratios compare like with like.
+and ``+1path`` (multipath off: path 0 only). They run in the same processes, over the same
+network and cross traffic, interleaved step by step (step 0 under every configuration, then
+step 1, ...), so a change in a shared machine's background load hits every configuration
+alike and their ratios compare like with like.
 
 Scenarios (``--scenario``, testbed) preset the network and the configurations for the issue's
 targets: ``congested`` (cross traffic at 70% of one spine link: gloo against gradlane bounded and
@@ -233,7 +235,6 @@ def run_replay(
         "timeout_s": opts.timeout_s,
     }
     links: dict[str, Any] = {}
-    machine: dict[str, float] = {}
     before = net.link_stats()
     load_before = os.getloadavg()
     t0 = time.monotonic()
@@ -246,7 +247,7 @@ def run_replay(
             ranks.start(
                 [partial(net.popen, r) for r in range(net.world)], "bench.replay_rank", jobs
             )
-            steps = _collect(opts, net, ranks, before, links, machine, on_progress)
+            steps = _collect(opts, net, ranks, before, links, on_progress)
     finally:
         if trace != opts.trace:
             with contextlib.suppress(OSError):
@@ -262,8 +263,7 @@ def run_replay(
             name: describe(ReplayConfig.parse(name, opts.loss_bound)) for name in opts.configs
         },
         "steps": steps,
-        "link_stats": links,
-        "machine_cores_busy": machine,
+        "link_stats": links,  # the switch ports over the whole run (all configurations)
         "cpus": os.cpu_count(),
         # Other work on a shared machine shows here (1-minute load averages, before and after).
         "load_avg_1m": [load_before[0], os.getloadavg()[0]],
@@ -277,28 +277,19 @@ def _collect(
     ranks: RankPipes,
     before: dict[str, Any] | None,
     links: dict[str, Any],
-    machine: dict[str, float],
     on_progress: Callable[[str, int, int], None] | None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Read every rank's messages until all are done; merge step records across ranks.
 
-    At rank 0's end of each configuration the switch counters and the machine's CPU time are
-    read, so they are attributed per configuration (the ranks leave a configuration together,
-    at a barrier).
+    The switch counters are read when rank 0 has replayed every configuration (they cover the
+    whole run: the configurations interleave step by step).
     """
     pending: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
     merged: dict[str, list[dict[str, Any]]] = {name: [] for name in opts.configs}
-    cpu_then = _cpu_jiffies()
     for rank, msg in ranks.messages(opts.timeout_s, SILENCE_S):
         kind = msg.get("type")
-        if kind == "config_done" and rank == 0:
-            cpu_now = _cpu_jiffies()
-            machine[msg["config"]] = _cores_busy(cpu_then, cpu_now)
-            cpu_then = cpu_now
-            if before is not None:
-                after = net.link_stats() or {}
-                links[msg["config"]] = _delta(before, after)
-                before = after
+        if kind == "replayed" and rank == 0 and before is not None:
+            links.update(_delta(before, net.link_stats() or {}))
         elif kind == "step":
             key = (msg["config"], msg["step"])
             got = pending.setdefault(key, {})
@@ -327,6 +318,7 @@ def _merge(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
         "bucket_done_s": {b: max(r["bucket_done_s"][b] for r in recs) for b in buckets},
         "delivered": min(r["delivered"] for r in recs),
         "wall_s": max(r["wall_s"] for r in recs),
+        "host_cores": recs[0].get("host_cores"),
         "cpu_s": sum(r["cpu_s"] for r in recs),
         "degraded": sum(r["degraded"] for r in recs),
         "retransmitted": sum(r["retransmitted"] for r in recs),
@@ -355,24 +347,6 @@ def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         }  # fmt: skip
         out[port] = {"link": cb.get("link"), **grown, "classes": classes}
     return out
-
-
-def _cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU time of the whole machine so far, from /proc/stat (0s elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return (0, 0)
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-    return (sum(vals) - idle, sum(vals))
-
-
-def _cores_busy(a: tuple[int, int], b: tuple[int, int]) -> float:
-    """Cores the machine kept busy between two snapshots (user, system and softirq: the
-    testbed's forwarding and shaping run in softirq, outside every process's own CPU time)."""
-    total = b[1] - a[1]
-    return (b[0] - a[0]) / total * (os.cpu_count() or 1) if total > 0 else 0.0
 
 
 def _back_to_back(path: str, records: list[dict[str, Any]], metas: list[dict[str, Any]]) -> str:

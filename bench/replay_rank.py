@@ -54,6 +54,8 @@ __all__ = [
     "ReplayConfig",
     "StepPlan",
     "config_names",
+    "cores_busy",
+    "cpu_jiffies",
     "describe",
     "ifname_of",
     "main",
@@ -243,6 +245,24 @@ def describe(cfg: ReplayConfig) -> dict[str, Any]:
 
 
 # -- the rank process ------------------------------------------------------------------------------
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat (0s elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return (0, 0)
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    return (sum(vals) - idle, sum(vals))
+
+
+def cores_busy(a: tuple[int, int], b: tuple[int, int]) -> float:
+    """Cores the machine kept busy between two :func:`cpu_jiffies` snapshots (user, system and
+    softirq: the testbed's forwarding and shaping run in softirq, outside every process)."""
+    total = b[1] - a[1]
+    return (b[0] - a[0]) / total * (os.cpu_count() or 1) if total > 0 else 0.0
+
+
 def ifname_of(addr: str) -> str | None:
     """The interface that holds ``addr`` (for gloo's GLOO_SOCKET_IFNAME), or None."""
     try:
@@ -315,16 +335,19 @@ class _Rank:
 
     def run(self) -> None:
         say(type="ready", rank=self.rank)
-        for k, name in enumerate(self.job["configs"]):
-            cfg = ReplayConfig.parse(name, float(self.job["loss_bound"]))
-            engine = None if cfg.transport == "gloo" else self._engine(k, cfg)
-            try:
-                self._replay(k, cfg, engine)
-            finally:
+        bound = float(self.job["loss_bound"])
+        cfgs = [ReplayConfig.parse(name, bound) for name in self.job["configs"]]
+        engines: list[Any] = []
+        try:
+            for k, cfg in enumerate(cfgs):
+                engines.append(None if cfg.transport == "gloo" else self._engine(k, cfg))
+            self._replay(cfgs, engines)
+            self.dist.barrier()  # every rank is done before any engine stops answering
+        finally:
+            for engine in engines:
                 if engine is not None:
-                    self.dist.barrier()  # every rank is done before any engine stops answering
                     engine.close()
-            say(type="config_done", config=cfg.name, rank=self.rank)
+        say(type="replayed", rank=self.rank)
         self.dist.barrier()
         say(type="done", rank=self.rank)
 
@@ -348,19 +371,22 @@ class _Rank:
             raise
         return eng
 
-    def _replay(self, k: int, cfg: ReplayConfig, engine: Any) -> None:
+    def _replay(self, cfgs: list[ReplayConfig], engines: list[Any]) -> None:
+        """Every step of the trace under every configuration in turn (interleaved, so a change
+        in the machine's background load hits every configuration alike)."""
         warmup, steps = int(self.job["warmup"]), int(self.job["steps"])
-        t_config = time.monotonic()
+        t_start = time.monotonic()
         for i in range(-warmup, steps):
             plan = self.plans[i % len(self.plans)]
-            for b, buf in self.bufs.items():
-                buf[:] = self.grads[b]  # untimed: the sums never grow
-            self.dist.barrier()
-            rec = self._step(k * 100_000 + i + warmup + 1, cfg, engine, plan)
-            if i >= 0:
-                rec.update(type="step", config=cfg.name, rank=self.rank, step=i)
-                rec["t_s"] = rec.pop("t0") - t_config
-                say(**rec)
+            for k, (cfg, engine) in enumerate(zip(cfgs, engines, strict=True)):
+                for b, buf in self.bufs.items():
+                    buf[:] = self.grads[b]  # untimed: the sums never grow
+                self.dist.barrier()
+                rec = self._step(k * 100_000 + i + warmup + 1, cfg, engine, plan)
+                if i >= 0:
+                    rec.update(type="step", config=cfg.name, rank=self.rank, step=i)
+                    rec["t_s"] = rec.pop("t0") - t_start
+                    say(**rec)
 
     def _step(self, step_id: int, cfg: ReplayConfig, engine: Any, plan: StepPlan) -> dict[str, Any]:
         protected = plan.protected
@@ -369,6 +395,7 @@ class _Rank:
         waits = []
         events: dict[int, threading.Event] = {}
         cpu0 = time.process_time()  # every thread of this rank: the engine's and gloo's too
+        host0 = cpu_jiffies() if self.rank == 0 else None
         t0 = time.monotonic()
         for b, _, ready, pos in sorted(plan.buckets, key=lambda x: x[2]):
             delay = t0 + ready - time.monotonic()
@@ -412,6 +439,8 @@ class _Rank:
             "t0": t0,
             "wall_s": time.monotonic() - t0,
             "cpu_s": time.process_time() - cpu0,
+            # The whole machine's busy cores over the step (rank 0 only: /proc/stat is global).
+            "host_cores": None if host0 is None else cores_busy(host0, cpu_jiffies()),
             "comm_s": max(done.values()) - first,
             "bucket_done_s": {str(b): done[b] - t0 for b in done},
             "bucket_lat_s": {str(b): done[b] - submitted[b] for b in done},

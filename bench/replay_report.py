@@ -81,7 +81,17 @@ def config_stats(steps: list[dict[str, Any]], world: int, link_Bps: float) -> di
         # transport (not the network) sets the pace.
         "cpu_cores_busy": sum(s["cpu_s"] for s in steps)
         / max(sum(s["wall_s"] for s in steps), 1e-9),
+        # The whole machine over the same steps (forwarding and shaping run in softirq, outside
+        # every process); None where rank 0 could not read /proc/stat.
+        "machine_cores_busy": _weighted(
+            [(s.get("host_cores"), s["wall_s"]) for s in steps if s.get("host_cores") is not None]
+        ),
     }
+
+
+def _weighted(pairs: list[tuple[float, float]]) -> float | None:
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total > 0 else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -141,14 +151,7 @@ def build(raw: dict[str, Any], command: str) -> dict[str, Any]:
         "trace_meta": raw["trace_meta"],
         "world": world,
         "options": raw["options"],
-        "configs": {
-            n: {
-                **raw["configs"][n],
-                **stats[n],
-                "machine_cores_busy": raw.get("machine_cores_busy", {}).get(n),
-            }
-            for n in stats
-        },
+        "configs": {n: {**raw["configs"][n], **stats[n]} for n in stats},
         "cpus": raw.get("cpus"),
         "load_avg_1m": raw.get("load_avg_1m"),
         "link_stats": raw.get("link_stats", {}),
