@@ -139,12 +139,25 @@ class TestbedNetwork:
     __test__ = False
 
     def __init__(
-        self, bed: Any, master_port: int = 29400, gloo: str = "path0", **transport: Any
+        self,
+        bed: Any,
+        master_port: int = 29400,
+        gloo: str = "path0",
+        tcp_idle_restart: bool = False,
+        **transport: Any,
     ) -> None:
         if gloo not in ("path0", "ecmp"):
             raise ValueError(f"gloo={gloo!r}: path0 or ecmp")
         if gloo == "ecmp" and bed.hosts[0].ecmp_addr is None:
             raise ValueError("this testbed has no ECMP addresses")
+        # The replay interleaves configurations, so gloo's connections sit idle while the others
+        # run (about a second): longer than TCP's RTO, after which Linux restarts the window from
+        # slow start (RFC 2861) - a penalty gloo would not pay between back-to-back steps. Off in
+        # every host namespace unless asked for (many datacenters turn it off too).
+        flag = int(tcp_idle_restart)
+        for host in bed.hosts:
+            argv = ["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={flag}"]
+            host.run(argv, timeout=30, check=True, capture_output=True)
         self.bed = bed
         self.gloo = gloo
         spec = bed.spec
@@ -162,6 +175,7 @@ class TestbedNetwork:
             f"{spec.link_mbit:g} Mbit/s links, MTU {spec.mtu}, queues {spec.queue_packets} "
             f"packets, priority-aware switches {'on' if spec.priority else 'off'}; gloo over "
             + ("path 0 (spine 0)" if gloo == "path0" else "the ECMP addresses (hashed)")
+            + f", tcp_slow_start_after_idle={flag}"
         )
         self._port = master_port
 
@@ -418,6 +432,12 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     tb.add_argument("--cross", type=float, help="cross traffic on spine 0, fraction of a link")
     tb.add_argument("--cross-proto", choices=("udp", "tcp"), default="udp")
     tb.add_argument(
+        "--tcp-idle-restart",
+        action="store_true",
+        help="keep Linux's TCP slow start after idle in the hosts (off by default: the "
+        "interleaved configurations would idle gloo's connections past their RTO)",
+    )
+    tb.add_argument(
         "--gloo",
         choices=("path0", "ecmp"),
         default="path0",
@@ -535,6 +555,7 @@ def _on_testbed(
         net = TestbedNetwork(
             bed,
             gloo=args.gloo,
+            tcp_idle_restart=args.tcp_idle_restart,
             controller=args.pacing,
             tx_quantum_packets=args.tx_quantum,
             rx_coalesce_s=args.rx_coalesce_us * 1e-6,
