@@ -7,7 +7,8 @@ through :mod:`bench.rankpipes`). Every rank trains the demo's model twice from t
 initialisation on the same batches (:func:`bench.ddp_demo._train`): with DDP's default hook
 (gloo over TCP on the hosts' path-0 addresses, i.e. through the congested spine, like any
 single-path job) and with the gradlane hook over both paths (the replay's testbed transport
-config: MTU-sized chunks, pacing from the link rate, priorities, the loss bound). No loss is
+config, ``bench.replay.TESTBED_TRANSPORT``: MTU-sized chunks, fixed pacing at a share of the
+link, priorities, the loss bound). No loss is
 injected: what is lost, the network lost. The comparison is the loopback demo's
 (:func:`bench.ddp_demo._compare`); the testbed is torn down whatever happens.
 """
@@ -54,7 +55,7 @@ def run_testbed_demo(
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Train twice on a congested testbed, one rank per host; returns the comparison."""
-    from bench.replay import TestbedNetwork
+    from bench.replay import TESTBED_TRANSPORT, TestbedNetwork
     from bench.testbed import Testbed, TestbedSpec, privilege
 
     if opts.transport != "udp":
@@ -73,9 +74,7 @@ def run_testbed_demo(
     results: dict[str, dict[int, dict[str, Any]]] = {run: {} for run in RUNS}
     t0 = time.perf_counter()
     with Testbed(spec) as bed:
-        net = TestbedNetwork(
-            bed, master_port=MASTER_PORT, tx_quantum_packets=64, rx_coalesce_s=1e-3
-        )
+        net = TestbedNetwork(bed, master_port=MASTER_PORT, **TESTBED_TRANSPORT)
         if tb.cross > 0:
             bed.cross_traffic(0, tb.cross * tb.link_mbit)
         master = list(net.master())

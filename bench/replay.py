@@ -52,6 +52,7 @@ from transport.errors import GradlaneError
 
 __all__ = [
     "SCENARIOS",
+    "TESTBED_TRANSPORT",
     "LoopbackNetwork",
     "ReplayError",
     "ReplayOptions",
@@ -65,6 +66,15 @@ __all__ = [
 #: Seconds without a word from any rank before the replay gives up.
 SILENCE_S = 120.0
 
+
+#: gradlane's transport settings on the testbed (NetParams fields), each measured here: see the
+#: ``--pacing``, ``--tx-quantum``, ``--rx-coalesce-us`` and ``--path-suspect-ms`` options.
+TESTBED_TRANSPORT: dict[str, Any] = {
+    "controller": "fixed",
+    "tx_quantum_packets": 64,
+    "rx_coalesce_s": 1e-3,
+    "suspect_after_s": 0.5,
+}
 
 #: A rank failed or went silent; the message carries its error and stderr.
 ReplayError = RankError
@@ -447,7 +457,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     tb.add_argument(
         "--pacing",
         choices=("loss-tolerant", "fixed"),
-        default="fixed",
+        default=TESTBED_TRANSPORT["controller"],
         help="gradlane's pacing controller (default fixed: an even share of the link per peer)",
     )
     # Fixed by default for the reason loopback_config() gives: the emulated hosts share two
@@ -457,9 +467,17 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     # Measured on this 2-core machine (4 hosts, 1 Gbit/s, no cross traffic, reliable): 4-packet
     # bursts and no receive batching ran at 77 Mbit/s per rank at 200 Mbit/s links, 64-packet
     # bursts with 1 ms batching at 221 (and 374 at 1 Gbit/s): fewer, larger service passes.
-    tb.add_argument("--tx-quantum", type=int, default=64, help="packets per paced send burst")
     tb.add_argument(
-        "--rx-coalesce-us", type=float, default=1000.0, help="receive batching in µs (1000)"
+        "--tx-quantum",
+        type=int,
+        default=TESTBED_TRANSPORT["tx_quantum_packets"],
+        help="packets per paced send burst (64)",
+    )
+    tb.add_argument(
+        "--rx-coalesce-us",
+        type=float,
+        default=TESTBED_TRANSPORT["rx_coalesce_s"] * 1e6,
+        help="receive batching in µs (1000)",
     )
     tb.add_argument(
         "--set",
@@ -471,7 +489,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     tb.add_argument(
         "--path-suspect-ms",
         type=float,
-        default=500.0,
+        default=TESTBED_TRANSPORT["suspect_after_s"] * 1e3,
         help="a path silent this long is suspect, 4x as long down (default 500)",
     )
 
