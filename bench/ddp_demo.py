@@ -165,8 +165,17 @@ def _batches(n: int, size: int, seed: int) -> Iterator[np.ndarray]:
 
 
 def _train(
-    run: str, rank: int, world: int, opts: DemoOptions, data: Any, up: Any
+    run: str,
+    rank: int,
+    world: int,
+    opts: DemoOptions,
+    data: Any,
+    up: Any,
+    transport: Any = None,
+    hosts: tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    """Train one run on this rank; ``up.put`` gets the progress. ``transport`` and ``hosts``
+    (a TransportConfig and the local address per path) replace the loopback defaults."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -183,8 +192,10 @@ def _train(
     if run == "gloo":
         rec = TraceRecorder(allreduce_hook, None, model=model)
     else:
-        hook_cfg = HookConfig(transport=opts.transport, log_every=0, name=f"demo-{run}")
-        state = GradlaneState(gradlane_transport(opts), hook_cfg, model=model)
+        hook_cfg = HookConfig(
+            transport=opts.transport, hosts=hosts, log_every=0, name=f"demo-{run}"
+        )
+        state = GradlaneState(transport or gradlane_transport(opts), hook_cfg, model=model)
         rec = TraceRecorder(gradlane_hook, state, model=model)
     rec.attach(ddp)
     try:

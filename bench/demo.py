@@ -7,6 +7,11 @@ random with a fixed seed, since loopback never loses) — and print a table: tes
 and communication time percentiles, delivered fraction, retransmissions
 (:mod:`bench.ddp_demo` does the work).
 
+``--network testbed``: the same DDP training across an emulated congested leaf-spine
+(:mod:`bench.ddp_demo_testbed`; root): one rank per testbed host, each inside its host's
+network namespace, UDP cross traffic at ``--congest`` of a link through spine 0; gloo over the
+hosts' path-0 addresses (through that spine), gradlane over both paths, no injected loss.
+
 ``--network sim``: the all-reduce part of training on the simulated 8-rank leaf-spine (the real
 protocol cores, a simulated clock) with cross traffic on one spine link: the TCP-like baseline
 (no priorities, fully reliable, one hashed path per rank pair) against gradlane (priorities by
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -30,26 +36,33 @@ _MODEL_TEXT = {
     "mlp": "an MLP (64-256-256-10, 85,002 parameters)",
     "cnn": "a CNN (2 conv + 2 linear layers, 38,282 parameters)",
 }
-#: Defaults that differ between the networks: (loopback DDP, simulator).
-_DEFAULTS = {"ranks": (4, 8), "steps": (200, 8), "loss_bound": (0.05, 0.02)}
+#: Defaults that differ between the networks.
+_DEFAULTS = {
+    "loopback": {"ranks": 4, "steps": 200, "loss_bound": 0.05, "congest": 0.8},
+    "sim": {"ranks": 8, "steps": 8, "loss_bound": 0.02, "congest": 0.8},
+    "testbed": {"ranks": 4, "steps": 100, "loss_bound": 0.02, "congest": 0.7},
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``gradlane demo``."""
     p.add_argument(
         "--network",
-        choices=("loopback", "sim"),
+        choices=("loopback", "sim", "testbed"),
         default="loopback",
         help="loopback: real DDP training in processes on this machine (default); "
+        "testbed: the same across an emulated congested leaf-spine (root); "
         "sim: the all-reduce on the simulated leaf-spine",
     )
-    p.add_argument("--ranks", type=int, help="ranks (default 4; sim: 8)")
-    p.add_argument("--steps", type=int, help="training steps (default 200; sim: 8)")
+    p.add_argument("--ranks", type=int, help="ranks (default 4; sim: 8; testbed: hosts, 4)")
+    p.add_argument("--steps", type=int, help="training steps (default 200; sim: 8; testbed: 100)")
     p.add_argument(
         "--model", choices=("mlp", "cnn"), default="mlp", help="the digits model (default mlp)"
     )
     p.add_argument(
-        "--loss-bound", type=float, help="gradlane's loss bound (default 0.05; sim: 0.02)"
+        "--loss-bound",
+        type=float,
+        help="gradlane's loss bound (default 0.05; sim, testbed: 0.02)",
     )
     p.add_argument(
         "--inject-loss",
@@ -66,21 +79,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    sim = p.add_argument_group("--network sim only")
+    sim = p.add_argument_group("--network sim and testbed")
     sim.add_argument(
         "--congest",
         type=float,
-        default=0.8,
-        help="cross traffic on one spine link, fraction of its rate (default 0.8)",
+        help="cross traffic on one spine link, fraction of its rate (default 0.8; testbed 0.7)",
+    )
+    sim.add_argument(
+        "--link-mbit", type=float, default=1000.0, help="testbed link rate (default 1000)"
     )
     sim.add_argument("--bursty", action="store_true", help="on/off bursts of cross traffic")
 
 
 def _resolve(args: argparse.Namespace) -> None:
-    col = 0 if args.network == "loopback" else 1
-    for name, values in _DEFAULTS.items():
+    for name, value in _DEFAULTS[args.network].items():
         if getattr(args, name) is None:
-            setattr(args, name, values[col])
+            setattr(args, name, value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     _resolve(args)
     if args.network == "sim":
         return _run_sim(args)
+    if args.network == "testbed":
+        return _run_testbed(args)
     return _run_ddp(args)
 
 
@@ -125,6 +141,21 @@ def _run_ddp(args: argparse.Namespace) -> int:
         emit("  gradlane  gradlane hook over ZeroMQ (TCP), reliable")
     if args.transport == "zmq" and args.inject_loss:
         emit("  (--inject-loss and --loss-bound apply to udp only: ZeroMQ is reliable)")
+
+    try:
+        out = run_demo(opts, _progress_bar())
+    except (DemoError, ValueError) as e:
+        emit(f"gradlane demo failed: {e}", err=True)
+        return 1
+    _table(out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=float)
+    return 0
+
+
+def _progress_bar() -> Callable[[str, int, int], None]:
+    """A progress callback drawing one bar per run on stderr."""
     started: dict[str, float] = {}
 
     def on_progress(run_name: str, step: int, steps: int) -> None:
@@ -136,11 +167,48 @@ def _run_ddp(args: argparse.Namespace) -> int:
         took = f"  {time.perf_counter() - started[run_name]:.1f} s" if done else ""
         progress(f"  [{bar}] {run_name:<8} {step:>4}/{steps}{took}", done=done)
 
+    return on_progress
+
+
+def _run_testbed(args: argparse.Namespace) -> int:
+    from bench.ddp_demo import DemoError, DemoOptions
+    from bench.ddp_demo_testbed import TestbedDemo, run_testbed_demo
+    from bench.rankpipes import RankError
+    from transport.errors import GradlaneError
+
+    if args.transport != "udp" or not 0.0 <= args.loss_bound <= 0.5 or args.ranks < 2:
+        emit("gradlane demo --network testbed: needs --transport udp, --ranks >= 2 (hosts), "
+             "--loss-bound in [0, 0.5]", err=True)  # fmt: skip
+        return 2
+    opts = DemoOptions(
+        ranks=args.ranks,
+        steps=args.steps,
+        model=args.model,
+        loss_bound=args.loss_bound,
+        inject_loss=0.0,
+        seed=args.seed,
+        chunk_bytes=8192,
+    )
+    tb = TestbedDemo(hosts=args.ranks, link_mbit=args.link_mbit, cross=args.congest)
+    emit(
+        f"gradlane demo: {tb.hosts} hosts of an emulated leaf-spine (network namespaces, 2 "
+        f"spines, {tb.link_mbit:g} Mbit/s links), UDP cross traffic at {tb.cross:.0%} of a "
+        "link through spine 0;"
+    )
+    emit(
+        f"one rank per host trains {_MODEL_TEXT[opts.model]} with DDP on scikit-learn's "
+        f"digits, {opts.steps} steps of {opts.ranks}x{opts.batch} images, twice:"
+    )
+    emit("  gloo      DDP's default all-reduce hook (gloo, TCP over path 0, through spine 0)")
+    emit(f"  gradlane  gradlane hook over UDP, both paths, loss bound {opts.loss_bound:g}")
     try:
-        out = run_demo(opts, on_progress)
-    except (DemoError, ValueError) as e:
+        out = run_testbed_demo(opts, tb, _progress_bar())
+    except (DemoError, RankError, ValueError) as e:
         emit(f"gradlane demo failed: {e}", err=True)
         return 1
+    except GradlaneError as e:  # TestbedUnavailable: not root (it says so), a testbed error
+        emit(f"gradlane demo --network testbed: {e}", err=True)
+        return 2
     _table(out)
     if args.json:
         with open(args.json, "w") as f:

@@ -28,6 +28,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "run this host's transport daemon (trainers connect with GRADLANE_MODE=daemon)",
     ),
     "stats": ("integrations.stats_cli", "print a gradlane daemon's metrics"),
+    "bench": (
+        "bench.replay",
+        "benchmarks: `bench replay TRACE` replays a trace over gloo and gradlane",
+    ),
+    "testbed": (
+        "bench.testbed_cli",
+        "the emulated leaf-spine of network namespaces: testbed up|down|status",
+    ),
 }
 
 

@@ -200,6 +200,7 @@ class Engine:
         dtype: int | None = None,
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
+        pinned: bool = False,
     ) -> concurrent.futures.Future[Result]:
         """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
 
@@ -209,6 +210,8 @@ class Engine:
         ``servers`` (ranks) makes it a parameter-server push/pull instead of the transpose
         all-reduce (see :meth:`TransposeAllReduce.start`); every rank passes the same list.
         ``out`` receives the result (it may be ``data``: in place, like ``dist.all_reduce``).
+        ``pinned``: every chunk of this bucket is protected and in class 0 (a pinned layer, see
+        ``PriorityConfig.pins``).
         """
         fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
         with self._lock:
@@ -220,7 +223,7 @@ class Engine:
                 )
                 return fut
             loop.call_soon_threadsafe(
-                self._start, fut, step, bucket, data, layer_position, dtype, servers, out
+                self._start, fut, step, bucket, data, layer_position, dtype, servers, out, pinned
             )
         return fut
 
@@ -298,6 +301,7 @@ class Engine:
         dtype: int | None,
         servers: Sequence[int] | None,
         out: np.ndarray | None,
+        pinned: bool = False,
     ) -> None:
         if self._closed:
             fut.set_exception(TransferFailed(f"engine closed: step {step} bucket {bucket}"))
@@ -305,7 +309,7 @@ class Engine:
         now = time.monotonic()
         pending = self._pending
         if pending.start(
-            self._core, fut, step, bucket, data, layer_position, dtype, now, servers, out
+            self._core, fut, step, bucket, data, layer_position, dtype, now, servers, out, pinned
         ):
             self._service()
 

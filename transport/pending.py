@@ -55,6 +55,7 @@ class PendingCollectives:
         now: float,
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
+        pinned: bool = False,
     ) -> bool:
         """Start one collective for ``fut``; a bad request fails its own Future, never the loop.
 
@@ -72,7 +73,15 @@ class PendingCollectives:
             self._futures[key] = fut
         try:
             core.start(
-                step, bucket, data, layer_position, now, dtype=dtype, servers=servers, out=out
+                step,
+                bucket,
+                data,
+                layer_position,
+                now,
+                dtype=dtype,
+                pinned=pinned,
+                servers=servers,
+                out=out,
             )
         except (ValueError, TypeError, GradlaneError) as exc:
             with self._lock:

@@ -148,6 +148,23 @@ def test_both_loopback_paths_carry_traffic(cluster: MakeCluster):
 
 
 @pytest.mark.timeout(60)
+def test_pinned_bucket_sends_every_chunk_in_class_0(cluster: MakeCluster):
+    engines = cluster(2, TransportConfig(n_paths=2, chunk_bytes=4096, pacing=PACING))
+    rng = np.random.default_rng(5)
+    data = [rng.standard_normal(100_003).astype(np.float32) for _ in engines]
+    for step, pinned in ((1, True), (2, False)):
+        futs = [e.submit(step, 0, d, pinned=pinned) for e, d in zip(engines, data, strict=True)]
+        for f in futs:
+            res, rep = f.result(WAIT_S)
+            np.testing.assert_array_equal(res, data[0] + data[1])
+            sent = rep.sender.sent
+            if pinned:
+                assert sent[0] > 0 and sum(sent[1:]) == 0, sent
+            else:  # layer+magnitude: protected chunks in class 0, the rest in others
+                assert sent[0] > 0 and sum(sent[1:]) > sent[0], sent
+
+
+@pytest.mark.timeout(60)
 def test_sequential_steps_and_buckets(cluster: MakeCluster):
     engines = cluster(2)
     rng = np.random.default_rng(3)
