@@ -23,6 +23,7 @@ _UP = 0
 def ack_update(
     path: np.ndarray,
     sizes: np.ndarray,
+    counted: np.ndarray,
     rtt: np.ndarray,
     has_rtt: bool,
     now: float,
@@ -48,14 +49,17 @@ def ack_update(
 ) -> None:
     """Apply one batch of acknowledged packets (``path``, ``sizes``, optional ``rtt`` each).
 
+    ``counted`` (bytes per packet, usually ``sizes``) is what leaves the outstanding bytes: 0 for
+    a packet already written off (declared lost, or released) whose ACK came anyway.
     Raises ValueError on a path index out of range, a negative size or misaligned arrays, before
     any state changes.
     """
     n_paths = outstanding.shape[0]
     n = path.shape[0]
-    if sizes.shape[0] != n or (has_rtt and rtt.shape[0] != n):
-        raise ValueError("path, sizes and rtt must be 1-D and of equal length")
+    if sizes.shape[0] != n or counted.shape[0] != n or (has_rtt and rtt.shape[0] != n):
+        raise ValueError("path, sizes, counted and rtt must be 1-D and of equal length")
     acked = np.zeros(n_paths)
+    leaving = np.zeros(n_paths)
     counts = np.zeros(n_paths, dtype=np.int64)
     rtt_sum = np.zeros(n_paths)
     rtt_n = np.zeros(n_paths, dtype=np.int64)
@@ -63,11 +67,12 @@ def ack_update(
         p = path[i]
         if p < 0 or p >= n_paths:
             raise ValueError("path index out of range")
-        if sizes[i] < 0:
+        if sizes[i] < 0 or counted[i] < 0:
             raise ValueError("sizes must be >= 0")
     for i in range(n):
         p = path[i]
         acked[p] += sizes[i]
+        leaving[p] += counted[i]
         counts[p] += 1
         if has_rtt:
             r = rtt[i]
@@ -78,7 +83,7 @@ def ack_update(
     keep = 1.0 - loss_alpha
     for p in range(n_paths):
         got = acked[p] > 0.0
-        outstanding[p] = max(outstanding[p] - acked[p], 0.0)
+        outstanding[p] = max(outstanding[p] - leaving[p], 0.0)
         acked_total[p] += acked[p]
         if got:
             last_delivery[p] = now

@@ -332,9 +332,18 @@ class PathSet:
         self._last_progress = np.where(got & was_idle, now, self._last_progress)
 
     def on_acked(
-        self, path: np.ndarray, sizes: np.ndarray, now: float, rtt: np.ndarray | None = None
+        self,
+        path: np.ndarray,
+        sizes: np.ndarray,
+        now: float,
+        rtt: np.ndarray | None = None,
+        counted: np.ndarray | None = None,
     ) -> None:
         """Account delivered packets; ``rtt`` (seconds per packet) feeds the RTT estimate.
+
+        ``counted`` (bytes per packet, default ``sizes``) is what leaves the outstanding bytes:
+        give 0 for a packet already taken out of them (declared lost, or released) whose ACK
+        came anyway, so no byte is taken out twice.
 
         Updates outstanding bytes, delivery and progress times, the loss EWMA (each acked packet
         is a "no loss" sample), the RTT estimate (RFC 6298, one sample per path per batch: the
@@ -345,9 +354,11 @@ class PathSet:
         path_a = np.asarray(path, dtype=np.int64).reshape(-1)
         sizes_a = np.asarray(sizes, dtype=np.float64).reshape(-1)
         rtt_a = _NO_RTT if rtt is None else np.asarray(rtt, dtype=np.float64).reshape(-1)
+        counted_a = sizes_a if counted is None else np.asarray(counted, np.float64).reshape(-1)
         ack_update(
             path_a,
             sizes_a,
+            counted_a,
             rtt_a,
             rtt is not None,
             float(now),
@@ -383,6 +394,16 @@ class PathSet:
         self._loss = self._loss * keep + (1.0 - keep)
         lossy = (self._loss > self.config.loss_suspect) & (self._state == PathState.UP)
         self._set_state(lossy, PathState.SUSPECT, now)
+
+    def on_released(self, path: np.ndarray, sizes: np.ndarray) -> None:
+        """Take packets out of the outstanding bytes without evidence of delivery or loss.
+
+        For packets the transport stops tracking while in flight: their transfer ended (the
+        receiver completed) or a NACK queued them again. Without this, such bytes would stay
+        outstanding for ever, the path would never look drained, and idle gaps would then pass
+        for slow delivery in the rate estimate (see the theory of operation).
+        """
+        self._outstanding = np.maximum(self._outstanding - self._per_path(path, sizes), 0.0)
 
     def tick(self, now: float) -> list[int]:
         """Move silent paths UP → SUSPECT → DOWN; returns the paths that went DOWN just now.

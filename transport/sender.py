@@ -229,7 +229,10 @@ class SenderCore:
         else:
             clean = None
         paths = t.path[idx].astype(np.int64)
-        self.paths[peer].on_acked(paths, sizes, now, rtt)
+        # Only chunks still in flight leave the path's outstanding bytes: a LOST or ABANDONED
+        # one was already taken out when it was declared lost or released.
+        counted = np.where(was == INFLIGHT, sizes, 0)
+        self.paths[peer].on_acked(paths, sizes, now, rtt, counted)
         if clean is not None:
             self._rtt_sample(clean)
         trig_path = int(t.path[trigger]) if clean is not None else -1
@@ -269,7 +272,10 @@ class SenderCore:
         idx = idx[~((t.state[idx] == INFLIGHT) & young)]
         st = t.state[idx]
         want = idx[(st == INFLIGHT) | (st == ABANDONED)]
-        t.n_inflight -= int(np.count_nonzero(st == INFLIGHT))
+        flying = idx[st == INFLIGHT]
+        t.n_inflight -= int(flying.size)
+        if flying.size:  # queued again: no longer outstanding where they were sent
+            self._release(t, flying)
         t.abandoned_elems -= int(t.counts[idx[st == ABANDONED]].sum())
         t.state[want] = LOST
         t.n_lost += int(want.size)
@@ -595,8 +601,14 @@ class SenderCore:
             )[0]
         )
 
+    def _release(self, t: OutTransfer, idx: np.ndarray) -> None:
+        """Chunks in flight that the sender stops tracking leave their paths' outstanding bytes."""
+        self.paths[t.key.dst].on_released(t.path[idx].astype(np.int64), t.lengths[idx])
+
     def _retire(self, t: OutTransfer) -> None:
         """The transfer is over (acknowledged, stopped, or past its deadline): free it."""
+        if t.n_inflight:
+            self._release(t, np.flatnonzero(t.state == INFLIGHT))
         t.done = True
         self.transfers.pop(t.key, None)
         self._sendable.discard(t.key)

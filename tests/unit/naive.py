@@ -241,15 +241,22 @@ def hadamard_inverse(y: np.ndarray, *, seed: int, block: int = 1024) -> np.ndarr
 
 
 # -- PathSet acknowledgement update: the numpy formulation the compiled kernel must match ---------
-def path_ack_update(ps: Any, path: np.ndarray, sizes: np.ndarray, now: float, rtt: Any) -> None:
+def path_ack_update(
+    ps: Any, path: np.ndarray, sizes: np.ndarray, now: float, rtt: Any, counted: Any = None
+) -> None:
     """Reference of ``PathSet.on_acked``: whole-array numpy over the paths, on ``ps``'s arrays."""
     cfg = ps.config
     n = ps.n_paths
     path_a = np.asarray(path, dtype=np.int64)
     acked = np.bincount(path_a, weights=np.asarray(sizes, dtype=np.float64), minlength=n)
+    leaving = (
+        acked
+        if counted is None
+        else np.bincount(path_a, weights=np.asarray(counted, dtype=np.float64), minlength=n)
+    )
     got = acked > 0
     counts = np.bincount(path_a, minlength=n)
-    ps._outstanding[:] = np.maximum(ps._outstanding - acked, 0.0)
+    ps._outstanding[:] = np.maximum(ps._outstanding - leaving, 0.0)
     ps._acked_total += acked
     ps._last_delivery[:] = np.where(got, now, ps._last_delivery)
     ps._last_progress[:] = np.where(got, now, ps._last_progress)

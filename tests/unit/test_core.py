@@ -577,3 +577,28 @@ def test_packet_arenas_are_reused_only_when_nothing_refers_to_them():
     assert id(pool.take(8, 304)) == first  # free again once the view is gone
     assert pool.take(100, 304).shape[0] == 100  # too small ones are not handed out
     assert pool.take(8, 512).shape[1] == 512  # nor ones with other rows
+
+
+@pytest.mark.parametrize("loss_bound", [0.0, 0.05])
+def test_path_accounting_drains_when_transfers_end(loss_bound):
+    """After collectives over a lossy, reordering wire (RACK losses, NACK resends, STOPs that
+    overtake the last ACKs), every path's outstanding bytes return to zero once the senders'
+    transfers are over: bytes in flight at the end are released, written-off ones are not
+    taken out twice. A leak here kept paths from ever looking drained, so idle gaps between
+    steps read as slow delivery and the rate estimates of all but one path collapsed."""
+    from scheduling.loss import LossConfig
+
+    world, n = 3, 6000
+    eps = make(world, n_paths=2, loss=LossConfig(loss_bound=loss_bound))
+    rng = np.random.default_rng(11)
+    wire = Wire(eps, jitter=300e-6, seed=5, drop=lambda src, dg, seq: rng.random() < 0.1)
+    for step in range(1, 5):
+        datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+        out = run_allreduce(eps, datas, wire, step=step)
+        assert all(isinstance(out[r], AllReduceComplete) for r in range(world))
+    senders = [ep.endpoint.sender for ep in eps]
+    wire.run(lambda: not any(s.transfers for s in senders), max_time=wire.now + 30.0)
+    assert not any(s.transfers for s in senders)
+    for s in senders:
+        for peer, ps in s.paths.items():
+            np.testing.assert_array_equal(ps.outstanding, 0.0, err_msg=f"peer {peer}")

@@ -454,10 +454,29 @@ def test_compiled_ack_update_matches_the_numpy_reference(
         if with_rtt:
             rtt = np.resize(np.array(rtts or [1e-4]), path.shape)
         now += dt
-        fast.on_acked(path, sizes, now, rtt)
-        naive.path_ack_update(ref, path, sizes, now, rtt)
+        # Every third batch, some of its packets were already written off (counted 0).
+        counted = np.where(np.arange(path.size) % 2 == 0, sizes, 0.0) if k % 3 == 2 else None
+        fast.on_acked(path, sizes, now, rtt, counted)
+        naive.path_ack_update(ref, path, sizes, now, rtt, counted)
         for name in _STATE:
             # Equal up to rounding (numba's pow and numpy's may differ in the last bit).
             np.testing.assert_allclose(
                 getattr(fast, name), getattr(ref, name), rtol=1e-12, atol=0.0, err_msg=name
             )
+
+
+def test_released_and_written_off_bytes_leave_outstanding_once() -> None:
+    """Bytes released (transfer over, or queued again) leave the outstanding bytes, and an ACK
+    of a packet already written off takes nothing out a second time: a path whose packets were
+    all accounted for is drained, so an idle gap cannot pass for slow delivery."""
+    ps = PathSet(2, PathConfig(), np.random.default_rng(0))
+    path = np.array([0, 0, 1, 1])
+    sizes = np.full(4, float(PKT))
+    ps.on_sent(path, sizes, 0.0)
+    ps.on_lost(path[:1], sizes[:1], 0.001)  # packet 0 declared lost...
+    ps.on_released(path[2:3], sizes[2:3])  # ...packet 2 queued again by a NACK
+    # ACKs for all four: packets 0 and 2 were already taken out.
+    ps.on_acked(path, sizes, 0.002, None, np.array([0.0, PKT, 0.0, PKT]))
+    np.testing.assert_array_equal(ps.outstanding, [0.0, 0.0])
+    with pytest.raises(ValueError):
+        ps.on_released(np.array([2]), np.array([1.0]))
