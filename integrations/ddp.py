@@ -350,9 +350,7 @@ class GradlaneState:
             rendezvous = StoreRendezvous.from_env(environ=env, timeout_s=hook.rendezvous_timeout_s)
         local_rank = local_world = None
         if not embedded:  # torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, read from ``environ``
-            local_rank, local_world = _local_rank_and_world(
-                _int_or_none(env.get("LOCAL_RANK")), _int_or_none(env.get("LOCAL_WORLD_SIZE"))
-            )
+            local_rank, local_world = _local_rank_and_world(None, None, env)
         return cls(
             transport,
             hook,
@@ -701,48 +699,57 @@ def _wait(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
     return fut.wait()
 
 
+def _place(
+    given: tuple[int | None, int | None],
+    names: tuple[str, str],
+    environ: Mapping[str, str] | None,
+    hint: str,
+    out_of_range: str,
+) -> tuple[int, int]:
+    """A (position, size) pair: the given values, else the environment variables ``names``.
+
+    ConfigError: ``hint`` when one is missing or not an integer; ``out_of_range`` (formatted
+    with ``pos`` and ``size``) when the position is not in ``[0, size)``.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        pos, size = (int(env[n]) if v is None else v for v, n in zip(given, names, strict=True))
+    except (KeyError, ValueError):
+        raise ConfigError(hint) from None
+    if not 0 <= pos < size:
+        raise ConfigError(out_of_range.format(pos=pos, size=size))
+    return pos, size
+
+
 def _rank_and_world(
     rank: int | None, world: int | None, environ: Mapping[str, str] | None = None
 ) -> tuple[int, int]:
-    if rank is None or world is None:
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world = dist.get_world_size() if world is None else world
-        else:
-            env = os.environ if environ is None else environ
-            try:
-                rank = int(env["RANK"]) if rank is None else rank
-                world = int(env["WORLD_SIZE"]) if world is None else world
-            except (KeyError, ValueError):
-                raise ConfigError(
-                    "cannot tell this rank and the world size: call init_process_group first, "
-                    "set RANK and WORLD_SIZE (torchrun does), or pass rank= and world="
-                ) from None
-    if not 0 <= rank < world:
-        raise ConfigError(f"rank {rank} is not in a world of {world}")
-    return rank, world
+    """This rank and the world size: arguments, else the process group, else RANK/WORLD_SIZE."""
+    if (rank is None or world is None) and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank() if rank is None else rank
+        world = dist.get_world_size() if world is None else world
+    return _place(
+        (rank, world),
+        ("RANK", "WORLD_SIZE"),
+        environ,
+        "cannot tell this rank and the world size: call init_process_group first, "
+        "set RANK and WORLD_SIZE (torchrun does), or pass rank= and world=",
+        "rank {pos} is not in a world of {size}",
+    )
 
 
-def _int_or_none(text: str | None) -> int | None:
-    try:
-        return None if text is None else int(text)
-    except ValueError:
-        raise ConfigError(f"{text!r} is not an integer (LOCAL_RANK / LOCAL_WORLD_SIZE)") from None
-
-
-def _local_rank_and_world(local_rank: int | None, local_world: int | None) -> tuple[int, int]:
+def _local_rank_and_world(
+    local_rank: int | None, local_world: int | None, environ: Mapping[str, str] | None = None
+) -> tuple[int, int]:
     """This rank among its host's trainers: arguments, else ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``."""
-    try:
-        lr = int(os.environ["LOCAL_RANK"]) if local_rank is None else local_rank
-        lw = int(os.environ["LOCAL_WORLD_SIZE"]) if local_world is None else local_world
-    except (KeyError, ValueError):
-        raise ConfigError(
-            "daemon mode needs this rank's place on its host: set LOCAL_RANK and "
-            "LOCAL_WORLD_SIZE (torchrun does) or pass local_rank= and local_world="
-        ) from None
-    if not 0 <= lr < lw:
-        raise ConfigError(f"local rank {lr} is not in a host of {lw} ranks")
-    return lr, lw
+    return _place(
+        (local_rank, local_world),
+        ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        environ,
+        "daemon mode needs this rank's place on its host: set LOCAL_RANK and "
+        "LOCAL_WORLD_SIZE (torchrun does) or pass local_rank= and local_world=",
+        "local rank {pos} is not in a host of {size} ranks",
+    )
 
 
 def _default_transport(hook: HookConfig, master_addr: str | None) -> TransportConfig:
