@@ -147,6 +147,11 @@ def _run_ddp(args: argparse.Namespace) -> int:
     except (DemoError, ValueError) as e:
         emit(f"gradlane demo failed: {e}", err=True)
         return 1
+    return _report(out, args)
+
+
+def _report(out: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print the side-by-side table and write ``--json``; the exit code of a finished run."""
     _table(out)
     if args.json:
         with open(args.json, "w") as f:
@@ -209,11 +214,7 @@ def _run_testbed(args: argparse.Namespace) -> int:
     except GradlaneError as e:  # TestbedUnavailable: not root (it says so), a testbed error
         emit(f"gradlane demo --network testbed: {e}", err=True)
         return 2
-    _table(out)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2, default=float)
-    return 0
+    return _report(out, args)
 
 
 def _table(out: dict[str, Any]) -> None:
