@@ -439,8 +439,10 @@ class Simulation:
         queues, cbytes, maxq = self._queues, self._cbytes, self._maxq
         heap, nx, path_tx = self._heap, self._nx, self._path_tx
         nbytes = n_arr = 0
-        for data, peer, path, tos in dgs:
-            if type(data) is not bytes:
+        for data, peer, path, tos, payload in dgs:
+            if payload is not None:
+                data = b"".join((data, payload))  # noqa: PLW2901 - header + payload view
+            elif type(data) is not bytes:
                 data = bytes(data)  # noqa: PLW2901 - the buffer may be reused by the endpoint
             r = routes.get((h, peer, path))
             if r is None:

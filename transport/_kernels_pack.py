@@ -20,6 +20,7 @@ from numba import njit
 from transport._kernels_common import (
     ABS16,
     ABS32,
+    EXACT,
     PAYLOAD_HALF,
     PAYLOAD_WORD,
     REDUCTION,
@@ -29,6 +30,7 @@ from transport._kernels_common import (
     finish_packet,
     max_abs_bits,
 )
+from transport.tag import TAG_FAST, TAG_SIPHASH
 
 _U64 = np.uint64
 _U32 = np.uint32
@@ -217,3 +219,127 @@ def chunk_norms_u16(
         h = src16[off : min(n, off + chunk_elems)]
         norms[c] = np.sqrt(sumsq_u16(h, bf16))
         maxabs[c] = _max_abs_u16(h, bf16)
+
+
+# -- zero-copy sending: per-chunk statistics once, then headers only ------------------------------
+# A sender hands the kernel a header and a view of the caller's payload (``sendmsg`` gathers
+# them), so the payload is read once for its statistics instead of copied into an arena for
+# every destination. The fast tag splits into header and payload sums, so the payload's part is
+# computed once per shard and each destination's header is finished from it.
+
+
+@njit(**REDUCTION)
+def stats_f32(
+    src32: np.ndarray,
+    chunk_elems: int,
+    norms: np.ndarray,
+    sum_a: np.ndarray,
+    sum_b: np.ndarray,
+) -> None:
+    """Per chunk of a float32 shard (u32 bits): L2 norm and the fast-tag sums of its payload."""
+    n = src32.shape[0]
+    srcf = src32.view(np.float32)
+    for c in range(norms.shape[0]):
+        off = c * chunk_elems
+        count = min(chunk_elems, n - off)
+        s32 = src32[off : off + count]
+        sf = srcf[off : off + count]
+        a = _U64(0)
+        b = _U64(0)
+        ss = np.float32(0.0)
+        for j in range(count):
+            wu = _U64(s32[j])
+            a += wu
+            b += _U64(_U32(j)) * wu
+            x = sf[j]
+            ss += x * x
+        norms[c] = np.sqrt(ss)
+        sum_a[c] = a
+        sum_b[c] = b
+
+
+@njit(**REDUCTION)
+def stats_u16(
+    src16: np.ndarray,
+    chunk_elems: int,
+    norms: np.ndarray,
+    sum_a: np.ndarray,
+    sum_b: np.ndarray,
+    bf16: bool,
+) -> None:
+    """Per chunk of an f16/bf16 shard (u16 bits): L2 norm and the fast-tag sums of its payload
+    (u32 words of two elements, the last one zero-padded)."""
+    n = src16.shape[0]
+    for c in range(norms.shape[0]):
+        off = c * chunk_elems
+        count = min(chunk_elems, n - off)
+        h = src16[off : off + count]
+        norms[c] = np.sqrt(sumsq_u16(h, bf16))
+        a = _U64(0)
+        b = _U64(0)
+        for k in range(count // 2):
+            w = _U64(h[2 * k]) | (_U64(h[2 * k + 1]) << _U64(16))
+            a += w
+            b += _U64(k) * w
+        if count & 1:
+            w = _U64(h[count - 1])
+            a += w
+            b += _U64(count // 2) * w
+        sum_a[c] = a
+        sum_b[c] = b
+
+
+@njit(**EXACT)
+def headers_fast(
+    hdr64: np.ndarray,
+    counts: np.ndarray,
+    itemsize: int,
+    tmpl: np.ndarray,
+    prio: np.ndarray,
+    flags: np.ndarray,
+    first_chunk: int,
+    norms: np.ndarray,
+    sum_a: np.ndarray,
+    sum_b: np.ndarray,
+) -> None:
+    """Write the 48-byte header (fast tag) of every chunk from its precomputed statistics."""
+    k0 = _U64(0)
+    for c in range(counts.shape[0]):
+        count = counts[c]
+        finish_packet(
+            hdr64[c], tmpl, flags[c], prio[c], first_chunk + c, count, norms[c],
+            48 + itemsize * count, sum_a[c], sum_b[c], TAG_FAST, k0, k0,
+        )  # fmt: skip
+
+
+@njit(**EXACT)
+def headers_siphash(
+    hdr64: np.ndarray,
+    scratch64: np.ndarray,
+    src8: np.ndarray,
+    chunk_bytes: int,
+    counts: np.ndarray,
+    itemsize: int,
+    tmpl: np.ndarray,
+    prio: np.ndarray,
+    flags: np.ndarray,
+    first_chunk: int,
+    norms: np.ndarray,
+    k0: np.uint64,
+    k1: np.uint64,
+) -> None:
+    """Write every chunk's header with its SipHash tag, which covers header and payload in one
+    stream: each payload is staged after its header in an L1-sized scratch row first."""
+    scratch8 = scratch64.view(np.uint8)
+    z = _U64(0)
+    for c in range(counts.shape[0]):
+        nb = itemsize * counts[c]
+        off = c * chunk_bytes
+        for j in range(nb):
+            scratch8[48 + j] = src8[off + j]
+        finish_packet(
+            scratch64, tmpl, flags[c], prio[c], first_chunk + c, counts[c], norms[c], 48 + nb,
+            z, z, TAG_SIPHASH, k0, k1,
+        )  # fmt: skip
+        for w in range(6):
+            hdr64[c, w] = scratch64[w]

@@ -38,9 +38,10 @@ from transport.events import (
     PeerTimedOut,
     TransferComplete,
 )
-from transport.packet import DType, Phase, TransferSpec, chunk_counts
+from transport.packet import HEADER_SIZE, DType, Header, Kind, Phase, TransferSpec, chunk_counts
 from transport.receiver import InKey
 from transport.sender import OutKey
+from transport.tag import TagKey
 
 __all__ = [
     "TransposeAllReduce",
@@ -210,7 +211,7 @@ class TransposeAllReduce:
 
         ``layer_position`` is 0 for the front layer (needed first next step), 1 for the last.
         ``data`` is never written, but it is read until the collective ends (peers' shards are
-        packed straight from it as they are sent): do not modify it before the completion event.
+        sent straight from it, never copied): do not modify it before the completion event.
         The result (a new array) comes with that event.
         """
         wire_in, wdt = wire_view(data, dtype)
@@ -229,7 +230,7 @@ class TransposeAllReduce:
                 src, seed=self._seed(step, bucket), block=self.config.rotate_block
             )
         else:
-            # The caller's words are only read (peers' shards are packed straight from them), so
+            # The caller's words are only read (peers' shards are sent straight from them), so
             # nothing is copied but this rank's own shard: one memory pass fewer per collective.
             src = wire_in
         bounds = shard_bounds(n, world, servers)
@@ -391,15 +392,19 @@ class TransposeAllReduce:
         # The gather phase starts now (the peers' reduce phases end about when this one does).
         for j in c.gather_received:
             self.endpoint.receiver.restart_clock(InKey(c.step, c.bucket, j, Phase.GATHER), now)
+        # One shard to every peer: read it once for its norms and tag sums, for all of them.
+        mine = c.result[lo:hi]
+        stats = kernels.chunk_stats(mine, dtype=DType(c.dtype), chunk_elems=chunk_elems)
         for j in range(world):
             if j != me:
                 self.endpoint.sender.start(
                     OutKey(c.step, c.bucket, me, Phase.GATHER, j),
-                    c.result[lo:hi],
+                    mine,
                     c.dtype,
                     c.layer_position,
                     now,
                     c.pinned,
+                    stats=stats,
                 )
 
     def _finish(self, c: _Collective, now: float) -> None:
@@ -468,9 +473,24 @@ def warm_up() -> None:
         for _ in range(10_000):  # a few dozen exchanges finish it; the bound only guards a bug
             for r in ranks:
                 for dg in r.datagrams_to_send(0.0):
-                    ranks[dg.peer].receive_datagram(dg.data, dg.path, 0.0)
+                    ranks[dg.peer].receive_datagram(dg.wire(), dg.path, 0.0)
                 while (ev := r.next_event()) is not None:
                     done += isinstance(ev, AllReduceComplete | AllReduceFailed)
             if done == 2:
                 break
+        assert done == 2, "warm-up all-reduce did not complete"
+    # A job with a secret tags with SipHash: compile that header kernel too.
+    x = np.ones(8, dtype=np.float32)
+    stats = kernels.chunk_stats(x, dtype=DType.F32, chunk_elems=4)
+    kernels.write_headers(
+        np.empty((2, HEADER_SIZE), dtype=np.uint8),
+        x,
+        stats,
+        dtype=DType.F32,
+        header=Header(kind=Kind.DATA, job=1, step=0, bucket=0, shard=0, src=0, dst=1, phase=0),
+        chunk_elems=4,
+        key=TagKey.from_secret("warm-up"),
+        prio=np.zeros(2, dtype=np.uint8),
+        flags=np.zeros(2, dtype=np.uint8),
+    )
     _warm = True

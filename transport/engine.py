@@ -88,8 +88,14 @@ class Engine:
             )
         self._rendezvous = rendezvous
         self._core = TransposeAllReduce(me, world, cfg)
+        # Datagrams go straight into the endpoint's arena: no forwarding call per datagram
+        # (the hot path), unless test/demo loss is injected between socket and endpoint.
+        endpoint = self._core.endpoint
         self._udp = UdpPaths(
-            self._core.rx_buffer, self._on_datagram, self._on_readable, bufsize=bufsize
+            endpoint.rx_buffer,
+            self._on_datagram if cfg.inject_loss > 0 else endpoint.commit_datagram,
+            self._on_readable,
+            bufsize=bufsize,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -313,12 +319,13 @@ class Engine:
         ):
             self._service()
 
-    def _on_datagram(self, nbytes: int, path: int) -> None:
-        # The datagram is already in the core's arena; a dropped one is simply not committed.
+    def _on_datagram(self, nbytes: int, path: int, now: float) -> None:
+        # Only with injected loss: the datagram is already in the core's arena; a dropped one
+        # is simply not committed.
         if self._drop_rng is not None and self._drop_rng.random() < self.config.inject_loss:
             self._injected_drops += 1
             return
-        self._core.commit_datagram(nbytes, path, time.monotonic())
+        self._core.commit_datagram(nbytes, path, now)
 
     def _on_readable(self) -> None:
         # One service per wakeup: the datagrams read in this loop iteration are batched by the

@@ -27,12 +27,28 @@ __all__ = [
 
 
 class Datagram(NamedTuple):
-    """One packet to put on the wire: bytes, destination rank, path index toward it, IP TOS."""
+    """One packet to put on the wire: bytes, destination rank, path index toward it, IP TOS.
+
+    A DATA packet comes in two parts, ``data`` (its header) and ``payload`` (a view of the
+    sender's buffer), so it is never copied before the kernel's own copy: a socket driver sends
+    them with one gathering ``sendmsg``; one that needs a single buffer uses :meth:`wire`.
+    """
 
     data: bytes | memoryview
     peer: int
     path: int
     tos: int
+    payload: memoryview | None = None
+
+    def wire(self) -> bytes:
+        """The whole packet as one ``bytes`` (a copy)."""
+        if self.payload is None:
+            return bytes(self.data)
+        return b"".join((self.data, self.payload))
+
+    def nbytes(self) -> int:
+        """The packet's length on the wire (UDP payload bytes)."""
+        return len(self.data) + (0 if self.payload is None else len(self.payload))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ Each kernel has a plain-NumPy reference in ``tests/unit/naive.py`` that the test
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,19 +45,23 @@ from transport.packet import (
     Header,
     SessionSpec,
     TransferSpec,
+    chunk_counts,
 )
 from transport.tag import TAG_FAST, TAG_SIPHASH, TagKey
 
 __all__ = [
     "CONFIG",
+    "ChunkStats",
     "KernelConfig",
     "chunk_norms",
+    "chunk_stats",
     "hadamard_forward",
     "hadamard_inverse",
     "local_sum",
     "pack",
     "place_into",
     "reduce_into",
+    "write_headers",
 ]
 
 _U8_MAX = 0xFF
@@ -505,6 +510,99 @@ def chunk_norms(
         else:
             _pk.chunk_norms_u16(bits, chunk_elems, norms, maxabs, wire == DType.BF16)
     return norms, maxabs
+
+
+class ChunkStats(NamedTuple):
+    """Per-chunk statistics of a shard, computed once for every destination it is sent to:
+    L2 norms (float32; what :func:`pack` writes) and the payload's fast-tag sums (uint64)."""
+
+    norms: np.ndarray
+    sum_a: np.ndarray
+    sum_b: np.ndarray
+
+
+def chunk_stats(src: np.ndarray, *, dtype: DType, chunk_elems: int) -> ChunkStats:
+    """The :class:`ChunkStats` of a shard (``src`` and ``chunk_elems`` as in :func:`pack`): one
+    read of the shard, no copy."""
+    wire = _wire_dtype(dtype)
+    bits = _shard("src", src, wire)
+    chunk_elems = int(chunk_elems)
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
+    n_chunks = -(-bits.shape[0] // chunk_elems)
+    norms = np.empty(n_chunks, dtype=np.float32)
+    sum_a = np.empty(n_chunks, dtype=np.uint64)
+    sum_b = np.empty(n_chunks, dtype=np.uint64)
+    if n_chunks:
+        if wire == DType.F32:
+            _pk.stats_f32(bits, chunk_elems, norms, sum_a, sum_b)
+        else:
+            _pk.stats_u16(bits, chunk_elems, norms, sum_a, sum_b, wire == DType.BF16)
+    return ChunkStats(norms, sum_a, sum_b)
+
+
+def write_headers(
+    hdr: np.ndarray,
+    src: np.ndarray,
+    stats: ChunkStats,
+    *,
+    dtype: DType,
+    header: Header,
+    chunk_elems: int,
+    key: TagKey,
+    prio: np.ndarray,
+    flags: np.ndarray,
+    first_chunk: int = 0,
+) -> int:
+    """Write the DATA header of every chunk of ``src`` into the rows of ``hdr`` (uint8,
+    ``(n_chunks, 48)``, C-contiguous); returns the number of chunks.
+
+    Row ``c`` followed by chunk ``c``'s payload bytes is byte for byte the datagram
+    :func:`pack` builds (same fields, norm and tag), so a driver sends the pair with one
+    gathering ``sendmsg`` and the payload is never copied. ``stats`` are the shard's
+    :func:`chunk_stats`; ``prio`` and ``flags`` are per-chunk uint8 arrays. A SipHash key reads
+    each payload (its tag covers header and payload in one stream); the fast tag only combines
+    the precomputed sums.
+    """
+    wire = _wire_dtype(dtype)
+    bits = _shard("src", src, wire)
+    chunk_elems = int(chunk_elems)
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
+    n_chunks = -(-bits.shape[0] // chunk_elems)
+    rows = _array("hdr", hdr, 2, writeable=True)
+    if rows.dtype != np.uint8 or rows.shape[0] < n_chunks or rows.shape[1] != HEADER_SIZE:
+        raise ValueError(
+            f"hdr must be uint8 of shape (>= {n_chunks}, {HEADER_SIZE}), got "
+            f"{rows.dtype.name}{rows.shape}"
+        )
+    for name, arr in zip(ChunkStats._fields, stats, strict=True):
+        if np.asarray(arr).shape[0] != n_chunks:
+            raise ValueError(f"stats.{name} has {np.asarray(arr).shape[0]} entries, not {n_chunks}")
+    first = int(first_chunk)
+    if first < 0 or first + n_chunks - 1 > _U32_MAX or chunk_elems > _U32_MAX:
+        raise ValueError(f"chunk indices {first}..{first + n_chunks - 1} do not fit a u32")
+    prio_a, _ = _per_chunk_u8("prio", prio, n_chunks)
+    flags_a, _ = _per_chunk_u8("flags", flags, n_chunks)
+    if n_chunks == 0:
+        return 0
+    item = ITEMSIZE[wire]
+    counts = chunk_counts(bits.shape[0], chunk_elems)
+    tmpl = _template(header, wire)
+    mode, k0, k1 = _key_parts(key)
+    hdr64 = rows[:n_chunks].view(np.uint64)
+    if mode == TAG_FAST:
+        _pk.headers_fast(
+            hdr64, counts, item, tmpl, prio_a, flags_a, first,
+            stats.norms, stats.sum_a, stats.sum_b,
+        )  # fmt: skip
+    else:
+        scratch = np.zeros((HEADER_SIZE + chunk_elems * item + 7) // 8, dtype=np.uint64)
+        _pk.headers_siphash(
+            hdr64, scratch, bits.view(np.uint8), chunk_elems * item, counts, item, tmpl, prio_a,
+            flags_a, first, stats.norms, k0, k1,
+        )  # fmt: skip
+    return n_chunks
 
 
 def _hadamard_args(x: np.ndarray, seed: int, block: int) -> tuple[np.ndarray, np.uint64, int]:

@@ -1,15 +1,20 @@
-"""Outgoing transfers: the per-chunk state of one shard toward one peer, and its packet arenas.
+"""Outgoing transfers: the per-chunk state of one shard toward one peer, and its packet headers.
 
 Theory of operation
 -------------------
 An *outgoing transfer* is one shard (step, bucket, shard, phase) for one peer. At start the shard
-is classified (priority policy on per-chunk norms and the bucket's layer position); it is packed
-into an arena of ready packets lazily, a block of chunks at a time, right before the block's
-first chunk is sent: the first packet leaves without waiting for the whole shard to be copied,
-packing overlaps the peer's work, and each block is still in cache when the kernel copies it
-out. Retransmissions reuse the arena. The caller's buffer is therefore read until every block
-is packed; :meth:`OutTransfer.pack_all` packs the rest at once when the buffer must be released
-(a collective that completed or failed). Per-chunk state lives in numpy arrays (STYLE rule 3):
+is read once for its per-chunk statistics (:func:`kernels.chunk_stats`: L2 norms and the payload's
+fast-tag sums; the gather phase computes them once for all its destinations), classified by the
+priority policy, and every chunk's 48-byte header is written (:func:`kernels.write_headers`).
+Nothing is copied: a datagram is a header row plus a view of the caller's buffer, which the
+driver sends with one gathering ``sendmsg`` (the kernel copies the payload once, as it must).
+The caller's buffer is therefore read until the transfer ends; :meth:`OutTransfer.release_source`
+copies the payloads still owed when the buffer must go back to the caller (a collective that
+completed or failed while peers may still need retransmissions). A payload that changed under a
+transfer cannot be delivered wrong: the tag in its header was computed from the original bytes,
+so the receiver rejects it (``bad_tag``).
+
+Per-chunk state lives in numpy arrays (STYLE rule 3):
 
 =========  ================================================================================
 state      meaning
@@ -23,15 +28,10 @@ ABANDONED  skipped on purpose (droppable and late) or a tolerated loss, within t
 
 Chunks are sent in ``order`` (class, then chunk index) from a ``cursor``; retransmissions are
 the LOST ones. What to send when, and the loss detection, are :mod:`transport.sender`'s.
-
-Arenas come from an :class:`ArenaPool`: fresh memory costs a page fault per 4 KiB on first
-touch, as much as packing itself for a small bucket, and training repeats its bucket sizes
-every step.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -48,57 +48,11 @@ __all__ = [
     "INFLIGHT",
     "LOST",
     "PENDING",
-    "ArenaPool",
     "OutKey",
     "OutTransfer",
 ]
 
-#: Lazy packing granularity: a block this large is packed when its first chunk is sent.
-PACK_BLOCK_BYTES = 1 << 20
-#: Most bytes of free packet arenas kept for reuse by one sender.
-ARENA_POOL_BYTES = 256 << 20
-#: References a free pooled arena has while it is examined: the pool, the loop's name and
-#: ``sys.getrefcount``'s argument; any more is a live view (a datagram still being sent).
-_FREE_REFS = 3
-
 PENDING, INFLIGHT, LOST, ACKED, ABANDONED = 0, 1, 2, 3, 4
-
-
-class ArenaPool:
-    """Free packet arenas for reuse, up to ``ARENA_POOL_BYTES``.
-
-    An arena is only handed out again once nothing references it: a datagram handed to a driver
-    is a view into its arena (queued by an event loop, or sent zero-copy by ZeroMQ), and the view
-    keeps a reference, so a buffer still being sent is never rewritten.
-    """
-
-    def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
-        self._bytes = 0
-
-    def take(self, rows: int, row_bytes: int) -> np.ndarray:
-        """An arena of at least ``rows`` rows of ``row_bytes``: a free one that fits, or new."""
-        free = self._free
-        for i in range(len(free)):
-            a = free[i]
-            if (
-                rows <= a.shape[0] <= 2 * rows
-                and a.shape[1] == row_bytes
-                and sys.getrefcount(a) <= _FREE_REFS
-            ):
-                del free[i]
-                self._bytes -= a.nbytes
-                return a
-        return np.empty((rows, row_bytes), dtype=np.uint8)
-
-    def give(self, arena: np.ndarray) -> None:
-        """Return an arena (it is reused only once no view of it is alive)."""
-        if arena.nbytes > ARENA_POOL_BYTES // 4:
-            return  # a rare giant: let it go
-        self._free.append(arena)
-        self._bytes += arena.nbytes
-        while self._bytes > ARENA_POOL_BYTES:
-            self._bytes -= self._free.pop(0).nbytes
 
 
 class OutKey(NamedTuple):
@@ -115,8 +69,8 @@ class OutTransfer:
     """State of one outgoing shard (arrays per chunk). Created by :meth:`SenderCore.start`.
 
     ``me`` is the sending rank; ``priority`` classifies the chunks; ``loss`` gives the budget of
-    chunks the sender may give up on; ``arenas`` lends the packet arena (returned by the sender
-    when the transfer retires).
+    chunks the sender may give up on; ``stats`` are ``data``'s :func:`kernels.chunk_stats` when
+    the caller has them (one shard sent to several peers), else they are computed here.
     """
 
     def __init__(
@@ -133,7 +87,7 @@ class OutTransfer:
         config: TransportConfig,
         priority: PriorityPolicy,
         loss: LossPolicy,
-        arenas: ArenaPool,
+        stats: kernels.ChunkStats | None = None,
     ) -> None:
         cfg = config
         self.key = key
@@ -146,8 +100,9 @@ class OutTransfer:
         self.n_elems = int(data.shape[0])
         self.counts = chunk_counts(self.n_elems, self.chunk_elems)
         n = self.n_chunks = int(self.counts.shape[0])
-        norms, _ = kernels.chunk_norms(data, dtype=DType(dtype), chunk_elems=self.chunk_elems)
-        classes = priority.classify(norms=norms, layer_position=layer_position, pinned=pinned)
+        if stats is None:
+            stats = kernels.chunk_stats(data, dtype=DType(dtype), chunk_elems=self.chunk_elems)
+        classes = priority.classify(norms=stats.norms, layer_position=layer_position, pinned=pinned)
         self.prio = np.ascontiguousarray(classes.prio, dtype=np.uint8)
         self.protected = np.asarray(classes.protected, dtype=bool)
         self.droppable = np.asarray(classes.droppable, dtype=bool) & ~self.protected
@@ -155,26 +110,37 @@ class OutTransfer:
         flags |= np.where(self.droppable, np.uint8(Flags.DROPPABLE), np.uint8(0)).astype(np.uint8)
         if n:
             flags[-1] |= np.uint8(Flags.LAST)
-        self.arena = arenas.take(max(n, 1), cfg.slot_bytes)
         self.lengths = np.zeros(max(n, 1), dtype=np.int32)
-        self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # what pack will write
-        self._header = Header(
-            kind=Kind.DATA,
-            job=cfg.job,
-            step=key.step,
-            bucket=key.bucket,
-            shard=key.shard,
-            src=me,
-            dst=key.dst,
-            phase=key.phase,
-            dtype=dtype,
-        )
-        self._src: np.ndarray | None = data if n else None
-        self._dtype = DType(dtype)
-        self._tag_key = cfg.tag_key
-        self._flags = flags
-        self._block = max(1, PACK_BLOCK_BYTES // max(cfg.chunk_bytes, 1))
-        self._packed = np.zeros(-(-n // self._block), dtype=bool)
+        self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # datagram lengths
+        self.hdr = np.empty((n, HEADER_SIZE), dtype=np.uint8)
+        if n:
+            header = Header(
+                kind=Kind.DATA,
+                job=cfg.job,
+                step=key.step,
+                bucket=key.bucket,
+                shard=key.shard,
+                src=me,
+                dst=key.dst,
+                phase=key.phase,
+                dtype=dtype,
+            )
+            kernels.write_headers(
+                self.hdr,
+                data,
+                stats,
+                dtype=DType(dtype),
+                header=header,
+                chunk_elems=self.chunk_elems,
+                key=cfg.tag_key,
+                prio=self.prio,
+                flags=flags,
+            )
+        # Datagram parts as flat memoryviews: slicing one is the cheapest view per send.
+        self.hdr_view = self.hdr.reshape(-1).data
+        self.chunk_bytes = self.chunk_elems * ITEMSIZE[dtype]
+        self.payload = np.ascontiguousarray(data).view(np.uint8).reshape(-1).data
+        self._owned = False
         self.state = np.zeros(n, dtype=np.uint8)
         self.sent_at = np.zeros(n, dtype=np.float64)
         self.path = np.zeros(n, dtype=np.int16)
@@ -198,40 +164,33 @@ class OutTransfer:
         self.done = False
         self.gather = gather
 
-    # -- packing ---------------------------------------------------------------------------
-    def ensure_packed(self, chunks: np.ndarray) -> None:
-        """Pack the blocks holding ``chunks`` that are not packed yet."""
-        blocks = chunks // self._block
-        todo = blocks[~self._packed[blocks]]
-        if todo.size:
-            for b in np.unique(todo).tolist():
-                self._pack_block(b)
-
-    def pack_all(self) -> None:
-        """Pack every block not packed yet; the source buffer is not read after this."""
-        for b in np.flatnonzero(~self._packed).tolist():
-            self._pack_block(b)
-
-    def _pack_block(self, b: int) -> None:
-        assert self._src is not None
-        c0 = b * self._block
-        c1 = min(c0 + self._block, self.n_chunks)
-        ce = self.chunk_elems
-        kernels.pack(
-            self._src[c0 * ce : min(c1 * ce, self.n_elems)],
-            self.arena[c0:c1],
-            self.lengths[c0:c1],
-            dtype=self._dtype,
-            header=self._header,
-            chunk_elems=ce,
-            key=self._tag_key,
-            prio=self.prio[c0:c1],
-            flags=self._flags[c0:c1],
-            first_chunk=c0,
+    # -- payload -------------------------------------------------------------------------------
+    def datagram_parts(self, c: int) -> tuple[memoryview, memoryview]:
+        """Chunk ``c``'s header and payload (one datagram when sent together)."""
+        a = c * self.chunk_bytes
+        return (
+            self.hdr_view[c * HEADER_SIZE : (c + 1) * HEADER_SIZE],
+            self.payload[a : a + int(self.lengths[c]) - HEADER_SIZE],
         )
-        self._packed[b] = True
-        if self._packed.all():
-            self._src = None  # everything is in the arena: drop the caller's buffer
+
+    def release_source(self) -> None:
+        """Stop reading the caller's buffer: copy out the payloads still owed (chunks neither
+        acknowledged nor abandoned), which retransmissions may need."""
+        if self._owned:
+            return
+        self._owned = True
+        src = np.frombuffer(self.payload, dtype=np.uint8)
+        owned = np.empty_like(src)  # pages never written are never touched
+        owed = np.flatnonzero(self.state < ACKED)
+        if owed.size * 2 > self.n_chunks:
+            owned[:] = src
+        else:
+            cb = self.chunk_bytes
+            for c in owed.tolist():
+                a = c * cb
+                b = a + int(self.lengths[c]) - HEADER_SIZE
+                owned[a:b] = src[a:b]
+        self.payload = owned.data
 
     # -- queries ---------------------------------------------------------------------------
     def next_class(self) -> int | None:

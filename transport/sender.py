@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-The per-chunk state of each outgoing transfer, its lazy packing and the packet arenas are
+The per-chunk state of each outgoing transfer and its packet headers are
 :mod:`transport.outgoing`'s; this module decides what goes out when. Sending order is global:
 a heap over transfers keyed by (class of the next chunk, layer position, creation order), so a
 front-layer bucket preempts a back-layer one and protected chunks of any bucket go first;
@@ -30,6 +30,7 @@ from scheduling.loss import LossPolicy
 from scheduling.pacing import Pacer
 from scheduling.paths import PathSet
 from scheduling.priority import PriorityPolicy
+from transport import kernels
 from transport.config import TransportConfig
 from transport.events import Datagram, SenderReport
 from transport.outgoing import (
@@ -38,7 +39,6 @@ from transport.outgoing import (
     INFLIGHT,
     LOST,
     PENDING,
-    ArenaPool,
     OutKey,
     OutTransfer,
 )
@@ -104,7 +104,6 @@ class SenderCore:
         self._rttvar = np.nan
         self._tick_at = np.inf
         self._pace_at = np.inf
-        self.arenas = ArenaPool()
         self.nic: Pacer | None = None
         if config.nic_rate_Bps > 0:
             nic_cfg = replace(
@@ -129,8 +128,13 @@ class SenderCore:
         layer_position: float,
         now: float,
         pinned: bool = False,
+        stats: kernels.ChunkStats | None = None,
     ) -> OutTransfer:
-        """Begin sending ``data`` (one shard, wire dtype ``dtype``) to ``key.dst``."""
+        """Begin sending ``data`` (one shard, wire dtype ``dtype``) to ``key.dst``.
+
+        ``data`` is read (not copied) until the transfer ends or :meth:`detach`; ``stats`` are
+        its :func:`kernels.chunk_stats` when the caller sends the same shard to several peers.
+        """
         if key in self.transfers:
             raise ValueError(f"transfer {key} already in flight")
         self._seq += 1
@@ -146,7 +150,7 @@ class SenderCore:
             config=self.config,
             priority=self.priority,
             loss=self.loss,
-            arenas=self.arenas,
+            stats=stats,
         )
         self.transfers[key] = t
         self._stats(key.step, key.bucket)
@@ -171,12 +175,12 @@ class SenderCore:
         )
 
     def detach(self, step: int, bucket: int) -> None:
-        """Pack whatever the outgoing transfers of (step, bucket) have not packed yet, so their
-        source buffers are no longer read (the collective is over: its buffers go back to the
-        caller, while peers may still need retransmissions from the arena)."""
+        """Stop reading the source buffers of (step, bucket)'s outgoing transfers: the
+        collective is over and its buffers go back to the caller, while peers may still need
+        retransmissions (the payloads still owed are copied)."""
         for t in self.transfers.values():
             if t.key.step == step and t.key.bucket == bucket:
-                t.pack_all()
+                t.release_source()
 
     def forget_stats(self, step: int, bucket: int) -> None:
         """Drop the per-(step, bucket) counters once reported."""
@@ -294,7 +298,7 @@ class SenderCore:
         return (t, end) if base < end else None
 
     def on_stop(self, key: OutKey) -> None:
-        """The receiver completed: stop sending and free the arena."""
+        """The receiver completed: stop sending and forget the transfer."""
         t = self.transfers.get(key)
         if t is not None:
             self._retire(t)
@@ -548,10 +552,10 @@ class SenderCore:
         st.bytes_sent += int(sizes.sum())
         np.add.at(st.path_bytes, paths, sizes)
         tos = self._tos[cls]
-        t.ensure_packed(chunks)
-        arena, lengths = t.arena, t.lengths
+        parts = t.datagram_parts
         for c, q in zip(chunks.tolist(), paths.tolist(), strict=True):
-            out.append(Datagram(arena[c, : lengths[c]].data, peer, q, tos))
+            hdr, payload = parts(c)
+            out.append(Datagram(hdr, peer, q, tos, payload))
         return fit, fit + skipped, int(sizes.sum())
 
     def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:
@@ -612,7 +616,6 @@ class SenderCore:
         t.done = True
         self.transfers.pop(t.key, None)
         self._sendable.discard(t.key)
-        self.arenas.give(t.arena)
 
     def _maybe_fin(self, t: OutTransfer, now: float) -> None:
         """When only abandoned chunks remain unacknowledged, tell the receiver (FIN), and repeat

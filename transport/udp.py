@@ -13,14 +13,20 @@ address (port 0: a UDP receiver does not care about the source port), with ``IP_
 open, each wrapped in an asyncio datagram transport (which queues a datagram when the kernel's
 send buffer is full). A datagram goes out on the socket of its (path, tos); a TOS nobody
 declared at open goes out on the path's main-TOS socket and is counted as ``tos_fallback``.
+A DATA datagram comes as a header and a view of the sender's buffer: it goes out with one
+gathering ``sendmsg`` straight on the socket, so the payload is copied once, by the kernel.
+When the socket's buffer is full (the kernel answers EAGAIN) the two parts are joined into
+one ``bytes`` and handed to the transport, which queues it until the socket is writable: the
+queued copy no longer depends on the sender's buffer.
 
 Receiving skips asyncio's datagram protocol: a reader callback on each receive socket calls
 ``recv_into`` straight into the driver's receive arena (``rx_buffer()``, then
-``on_datagram(nbytes, path)``) — no ``bytes`` object and no copy per datagram — up to
-``READ_BURST`` datagrams per wakeup, then ``on_readable()`` once, so the driver processes and
-answers the whole batch together. :meth:`UdpPaths.poll` does the same on demand: the engine
-drains its sockets before each send burst, so acknowledgements are processed (and sent) promptly
-while it is also sending at full speed.
+``on_datagram(nbytes, path, now)``, with one clock reading per burst) — no ``bytes`` object, no
+copy and two Python calls per datagram — up to ``READ_BURST`` datagrams per wakeup, then
+``on_readable()`` once, so the driver processes and answers the whole batch together.
+:meth:`UdpPaths.poll` does the same on demand: the engine drains its sockets before each send
+burst, so acknowledgements are processed (and sent) promptly while it is also sending at full
+speed.
 
 Socket buffers are set to ``bufsize`` (16 MiB by default); Linux caps them at
 ``net.core.rmem_max`` / ``wmem_max`` unless the process may use SO_RCVBUFFORCE (root or
@@ -35,6 +41,7 @@ import errno
 import logging
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -108,15 +115,15 @@ class UdpPaths:
     socket per (path, TOS). All methods run on the event loop's thread.
 
     ``rx_buffer()`` returns the writable buffer the next datagram is received into;
-    ``on_datagram(nbytes, path)`` commits it (``nbytes`` is the datagram's real length, which
-    exceeds the buffer's when it was truncated); ``on_readable()`` is called once per read
-    wakeup, after its datagrams.
+    ``on_datagram(nbytes, path, now)`` commits it (``nbytes`` is the datagram's real length,
+    which exceeds the buffer's when it was truncated; ``now`` is ``time.monotonic()`` read once
+    per burst); ``on_readable()`` is called once per read wakeup, after its datagrams.
     """
 
     def __init__(
         self,
         rx_buffer: Callable[[], memoryview],
-        on_datagram: Callable[[int, int], None],
+        on_datagram: Callable[[int, int, float], None],
         on_readable: Callable[[], None],
         *,
         bufsize: int = DEFAULT_BUFSIZE,
@@ -132,6 +139,7 @@ class UdpPaths:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tx: list[dict[int, asyncio.DatagramTransport]] = []  # per path: tos -> transport
         self._main: list[asyncio.DatagramTransport] = []
+        self._socks: dict[asyncio.DatagramTransport, socket.socket] = {}
         self._peers: list[list[Address]] = []
         self.local: list[Address] = []
 
@@ -167,9 +175,9 @@ class UdpPaths:
     def send(self, datagrams: Iterable[Datagram]) -> None:
         """Send each datagram from its path's socket for its TOS to its peer's path address."""
         c = self.counters
-        peers, tx_sockets = self._peers, self._tx
+        peers, tx_sockets, socks = self._peers, self._tx, self._socks
         n_paths = len(tx_sockets)
-        for data, peer, path, tos in datagrams:
+        for data, peer, path, tos, payload in datagrams:
             try:
                 addrs = peers[peer]
                 dest = addrs[path % len(addrs)]
@@ -181,11 +189,20 @@ class UdpPaths:
             if tr is None:
                 c.tos_fallback += 1
                 tr = self._main[path % n_paths]
-            # A memoryview into the sender's arena is passed as is: the view keeps the buffer
-            # alive, and asyncio copies what it has to queue.
-            tr.sendto(data, dest)
             c.tx_datagrams += 1
-            c.tx_bytes += len(data)
+            if payload is None:
+                # asyncio copies what it has to queue (a memoryview into an arena is fine).
+                tr.sendto(data, dest)
+                c.tx_bytes += len(data)
+                continue
+            c.tx_bytes += len(data) + len(payload)
+            try:
+                socks[tr].sendmsg((data, payload), (), 0, dest)
+            except (BlockingIOError, InterruptedError):
+                tr.sendto(b"".join((data, payload)), dest)  # queued: an owned copy
+            except OSError as e:  # e.g. an ICMP error reported on this send: count, go on
+                c.tx_errors += 1
+                log.debug("path %d: send error %s", path, e)
 
     def poll(self) -> None:
         """Receive whatever is waiting on every receive socket now (without waiting)."""
@@ -217,6 +234,7 @@ class UdpPaths:
         """Receive up to ``READ_BURST`` datagrams into the driver's arena; returns how many."""
         c = self.counters
         rx_buffer, on_datagram = self._rx_buffer, self._on_datagram
+        now = time.monotonic()  # one reading per burst: the burst arrived together
         got = 0
         for _ in range(READ_BURST):
             try:
@@ -232,7 +250,7 @@ class UdpPaths:
             got += 1
             c.rx_datagrams += 1
             c.rx_bytes += n
-            on_datagram(n, path)
+            on_datagram(n, path, now)
         return got
 
     async def _sender(self, path: int, host: str, tos: int) -> asyncio.DatagramTransport:
@@ -247,6 +265,7 @@ class UdpPaths:
             raise
         self._transports.append(transport)
         self._protocols.append(protocol)
+        self._socks[transport] = sock
         return transport
 
 

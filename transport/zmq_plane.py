@@ -408,16 +408,19 @@ class _Loop:
     def _send(self, dg: Datagram) -> None:
         s = self.pushes[(dg.peer, dg.path)]
         n = self.plane._n
+        # One frame per packet: a DATA packet's header and payload view are joined into an
+        # owned buffer, which ZeroMQ may then send without another copy.
+        data = dg.data if dg.payload is None else dg.wire()
         n["frames_out"] += 1
-        n["bytes_out"] += len(dg.data)
+        n["bytes_out"] += len(data)
         pending = self.backlog.get(s)
         if pending:  # keep per-socket order: never overtake the backlog
-            pending.append(dg.data)
+            pending.append(data)
             return
         try:
-            s.send(dg.data, zmq.NOBLOCK, copy=len(dg.data) < ZERO_COPY_MIN_BYTES)
+            s.send(data, zmq.NOBLOCK, copy=len(data) < ZERO_COPY_MIN_BYTES)
         except zmq.Again:
-            self.backlog[s] = deque([dg.data])
+            self.backlog[s] = deque([data])
             self.poller.register(s, zmq.POLLOUT)
             n["backlogged"] += 1
 

@@ -17,7 +17,6 @@ from transport.allreduce import TransposeAllReduce, from_f32, to_f32
 from transport.config import TransportConfig
 from transport.errors import PeerTimeout
 from transport.events import AllReduceComplete, AllReduceFailed, Datagram
-from transport.outgoing import ArenaPool
 from transport.packet import HEADER_DTYPE, DType, Header, Kind, Reason, encode
 
 
@@ -109,7 +108,7 @@ def test_duplicates_and_garbage_never_double_count():
     forged = forged[:-8] + b"\x00" * 8  # payload changed after tagging: bad tag
 
     def mangle(src, dg):
-        data = bytes(dg.data)
+        data = dg.wire()
         out = [data, data]  # every datagram twice
         if junk_rng.random() < 0.05:
             out.append(junk_rng.bytes(int(junk_rng.integers(0, 400))))
@@ -494,14 +493,12 @@ def test_fin_for_a_finished_transfer_is_answered_with_stop():
     assert wire.now - t_done < 1.0, f"senders retired {wire.now - t_done:.3f}s after completion"
 
 
-def test_buffers_are_released_at_completion_despite_lazy_packing(monkeypatch):
-    """Packing is lazy (block by block, at first send), but once a rank's collective completes
-    its input and result belong to the caller again: overwriting them must not change what its
-    peers still receive."""
+def test_buffers_are_released_at_completion_despite_zero_copy():
+    """Payloads are sent straight from the caller's buffers, but once a rank's collective
+    completes its input and result belong to the caller again: overwriting them must not change
+    what its peers still receive."""
     from scheduling.pacing import PacingConfig
-    from transport import outgoing
 
-    monkeypatch.setattr(outgoing, "PACK_BLOCK_BYTES", 1024)  # 4 chunks of 256 bytes per block
     slow = PacingConfig(controller="fixed", initial_rate_Bps=2e5, min_rate_Bps=1e5, burst_bytes=600)
     flat = PriorityConfig(policy="flat")  # one class: rank 0 sends its reduce shard, then gather
     eps = [
@@ -558,25 +555,45 @@ def test_out_buffer_is_validated():
             ep.start(1, 0, x, 0.5, 0.0, out=bad)
 
 
-def test_packet_arenas_are_reused_only_when_nothing_refers_to_them():
-    pool = ArenaPool()
-    a = pool.take(8, 304)
-    first = id(a)  # compare identities without holding a reference (that would pin it)
-    pool.give(a)
-    del a
-    b = pool.take(8, 304)
-    assert id(b) == first  # same size again (the next step's bucket): no fresh memory
-    view = b[3, :100].data  # a datagram still queued in a driver
-    pool.give(b)
-    del b
-    c = pool.take(8, 304)
-    assert id(c) != first  # never rewrite a buffer that may still be going out
-    del view
-    pool.give(c)
-    del c
-    assert id(pool.take(8, 304)) == first  # free again once the view is gone
-    assert pool.take(100, 304).shape[0] == 100  # too small ones are not handed out
-    assert pool.take(8, 512).shape[1] == 512  # nor ones with other rows
+def test_data_payloads_are_views_of_the_callers_buffer_until_detached():
+    """Zero-copy: a DATA datagram's payload is the caller's memory, never copied by the core;
+    once the collective ends (detach), the payloads still owed are copied out, so the caller
+    may reuse its buffer while peers still need retransmissions."""
+    eps = make(2)
+    x = np.arange(1000, dtype=np.float32)
+    eps[0].start(1, 0, x, 0.5, 0.0)
+    dgs = [d for d in eps[0].datagrams_to_send(0.0) if d.payload is not None]
+    assert dgs
+    assert all(np.shares_memory(np.frombuffer(d.payload, np.uint8), x) for d in dgs)
+    sender = eps[0].endpoint.sender
+    (t,) = sender.transfers.values()
+    before = [b"".join(t.datagram_parts(c)) for c in range(t.n_chunks)]
+    assert before[0] == dgs[0].wire() or any(d.wire() == before[0] for d in dgs)
+    sender.detach(1, 0)
+    x[:] = -1.0  # the caller reuses its buffer
+    after = [b"".join(t.datagram_parts(c)) for c in range(t.n_chunks)]
+    assert after == before
+    assert not any(
+        np.shares_memory(np.frombuffer(t.datagram_parts(c)[1], np.uint8), x)
+        for c in range(t.n_chunks)
+    )
+
+
+def test_payload_changed_under_a_live_transfer_is_rejected_not_applied():
+    """The tag in a header is computed from the payload at start, so a buffer the caller
+    rewrites mid-collective cannot deliver wrong values: the receiver counts bad tags."""
+    eps = make(2)
+    x = np.ones(1000, dtype=np.float32)
+    y = np.ones(1000, dtype=np.float32)
+    eps[0].start(1, 0, x, 0.5, 0.0)
+    eps[1].start(1, 0, y, 0.5, 0.0)
+    dgs = [d for d in eps[0].datagrams_to_send(0.0) if d.payload is not None]
+    x += 1.0  # against the API contract: the caller writes its buffer mid-collective
+    for d in dgs:
+        eps[1].receive_datagram(d.wire(), d.path, 0.0)
+    eps[1].datagrams_to_send(0.0)
+    assert eps[1].endpoint.stats()["rejected"].get("bad_tag") == len(dgs)
+    assert np.all(y == 1.0)  # nothing was added to the receiver's shard
 
 
 @pytest.mark.parametrize("loss_bound", [0.0, 0.05])

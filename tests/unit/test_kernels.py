@@ -233,6 +233,61 @@ def test_pack_matches_naive_byte_for_byte(
     assert np.all(arena[n_chunks:] == 0xEE) and np.all(lengths[n_chunks:] == -1)
 
 
+@SETTINGS
+@given(
+    dtype=st.sampled_from(list(DType)),
+    n=st.integers(0, 700),
+    chunk_elems=st.integers(1, 200),
+    first=st.integers(0, 2**32 - 801),
+    keyed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_headers_plus_payload_views_are_the_packed_datagrams(
+    dtype: DType, n: int, chunk_elems: int, first: int, keyed: bool, seed: int
+) -> None:
+    """Zero-copy sending: ``write_headers`` row ``c`` followed by the source bytes of chunk
+    ``c`` is byte for byte the datagram the naive packer builds (fast and SipHash tags), and
+    ``chunk_stats`` norms are the numpy norms."""
+    rng = np.random.default_rng(seed)
+    src = shard(rng, n, dtype)
+    n_chunks = -(-n // chunk_elems)
+    prio = rng.integers(0, 8, n_chunks).astype(np.uint8)
+    flags = rng.integers(0, 32, n_chunks).astype(np.uint8)
+    key = KEYED if keyed else TagKey()
+    stats = kernels.chunk_stats(src, dtype=dtype, chunk_elems=chunk_elems)
+    ref_norms, _ = naive.chunk_norms(src, dtype, chunk_elems)
+    np.testing.assert_allclose(stats.norms, ref_norms, rtol=1e-5)
+    rows = np.full((n_chunks, 48), 0xEE, dtype=np.uint8)
+    hdr = header(src=3, phase=Phase.REDUCE)
+    got = kernels.write_headers(
+        rows, src, stats, dtype=dtype, header=hdr, chunk_elems=chunk_elems, key=key,
+        prio=prio, flags=flags, first_chunk=first,
+    )  # fmt: skip
+    assert got == n_chunks
+    want = naive.pack(
+        src, dtype=dtype, header=hdr, chunk_elems=chunk_elems, key=key, prio=prio,
+        flags=flags, first_chunk=first, norms=stats.norms,
+    )  # fmt: skip
+    raw = src.view(np.uint8)
+    step = chunk_elems * ITEM[dtype]
+    for c, w in enumerate(want):
+        assert rows[c].tobytes() + raw[c * step : c * step + len(w) - 48].tobytes() == w
+
+
+def test_write_headers_rejects_wrong_shapes() -> None:
+    src = np.ones(100, np.float32)
+    stats = kernels.chunk_stats(src, dtype=DType.F32, chunk_elems=32)
+    args = {"dtype": DType.F32, "header": header(), "key": TagKey()}
+    prio = np.zeros(4, np.uint8)
+    with pytest.raises(ValueError, match="hdr must be uint8"):
+        kernels.write_headers(np.zeros((3, 48), np.uint8), src, stats, chunk_elems=32,
+                              prio=prio, flags=prio, **args)  # fmt: skip
+    seven = np.zeros(7, np.uint8)
+    with pytest.raises(ValueError, match=r"stats\.norms"):
+        kernels.write_headers(np.zeros((7, 48), np.uint8), src, stats, chunk_elems=16,
+                              prio=seven, flags=seven, **args)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", list(DType))
 def test_pack_scalar_prio_and_flags_and_source_views(dtype: DType) -> None:
     rng = np.random.default_rng(1)

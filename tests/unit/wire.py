@@ -50,7 +50,7 @@ class Wire:
             if self.drop is not None and self.drop(i, dg, self.sent):
                 self.dropped += 1
                 continue
-            payloads = self.mangle(i, dg) if self.mangle else [bytes(dg.data)]
+            payloads = self.mangle(i, dg) if self.mangle else [dg.wire()]
             for data in payloads:
                 delay = self.latency + (self.rng.random() * self.jitter if self.jitter else 0.0)
                 self._seq += 1
