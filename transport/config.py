@@ -76,6 +76,10 @@ class TransportConfig:
     """Bytes of packets for transfers not yet started locally that are held for later."""
     seed: int = 0
     """Seed of the endpoint's random generator (path choice tie-breaks)."""
+    socket_buffer_bytes: int = 16 << 20
+    """SO_RCVBUF / SO_SNDBUF asked for every UDP socket (forced past ``net.core.rmem_max`` when
+    the process may; otherwise capped by it, with a warning). Datagrams that overflow a receive
+    buffer are lost and resent: size it for the bursts a rank receives at once."""
     inject_loss: float = 0.0
     """Tests and demos only: the UDP engine drops this fraction of the datagrams it receives,
     at random (seeded by ``seed`` and the rank), before the protocol sees them, so that loss
@@ -105,6 +109,8 @@ class TransportConfig:
             raise ConfigError("tx_quantum_packets must be >= 1 and rx_coalesce_s >= 0")
         if self.burst_packets < 1:
             raise ConfigError(f"burst_packets={self.burst_packets}: at least 1")
+        if self.socket_buffer_bytes < 4096:
+            raise ConfigError(f"socket_buffer_bytes={self.socket_buffer_bytes}: at least 4096")
         if self.rotate_block < 1 or self.rotate_block & (self.rotate_block - 1):
             raise ConfigError(f"rotate_block={self.rotate_block}: must be a power of two")
         if self.step_window < 1:
@@ -210,13 +216,17 @@ def loopback_config(**overrides: Any) -> TransportConfig:
     memory speed (10 GB/s per path, 4 MiB bursts) at a fixed rate: on one host there is no
     network to congest, and the interpreter's scheduling jitter reads as queueing delay to a
     delay-based controller, which then throttled a 100 MB all-reduce to a third of its speed.
-    Receive buffers (16 MiB, forced when permitted) absorb the bursts; what overflows them is
-    recovered like any loss.
+    Sending passes of up to 256 datagrams per path (fewer, larger batches: 14% less time for
+    4 ranks × 25 MB on 2 cores), and 64 MiB socket buffers (forced when permitted): with 4
+    ranks at 100 MB, 16 MiB ones overflowed (1.4% of the datagrams lost and resent, 25% more
+    time). What still overflows them is recovered like any loss.
     ``overrides`` replace any field (e.g. ``loss=LossConfig(...)``).
     """
     values: dict[str, Any] = {
         "n_paths": 2,
         "chunk_bytes": 65000,
+        "burst_packets": 256,
+        "socket_buffer_bytes": 64 << 20,
         "pacing": PacingConfig(controller="fixed", initial_rate_Bps=1e10, burst_bytes=4 << 20),
     }
     values.update(overrides)

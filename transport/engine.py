@@ -33,7 +33,7 @@ from transport.config import TransportConfig
 from transport.errors import ConfigError, TransferFailed
 from transport.pending import CollectiveResult, PendingCollectives
 from transport.rendezvous import Address, Rendezvous
-from transport.udp import DEFAULT_BUFSIZE, UdpPaths, new_event_loop
+from transport.udp import UdpPaths, new_event_loop
 
 __all__ = ["Engine", "default_local_addrs"]
 
@@ -60,6 +60,8 @@ class Engine:
     :meth:`start` publishes the bound addresses and looks up every peer's; without one, call
     :meth:`set_peers` after :meth:`start` (so tests can bind port 0, then exchange addresses).
 
+    ``bufsize`` overrides ``config.socket_buffer_bytes`` (the sockets' buffer size).
+
     Use as a context manager, or call :meth:`close`; it fails in-flight Futures with
     :class:`TransferFailed`, closes the sockets and joins the thread.
     """
@@ -72,7 +74,7 @@ class Engine:
         rendezvous: Rendezvous | None = None,
         local_addrs: Sequence[Address | str] | None = None,
         *,
-        bufsize: int = DEFAULT_BUFSIZE,
+        bufsize: int | None = None,
     ) -> None:
         self.me = me
         self.world = world
@@ -95,7 +97,7 @@ class Engine:
             endpoint.rx_buffer,
             self._on_datagram if cfg.inject_loss > 0 else endpoint.commit_datagram,
             self._on_readable,
-            bufsize=bufsize,
+            bufsize=cfg.socket_buffer_bytes if bufsize is None else bufsize,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

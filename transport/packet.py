@@ -305,11 +305,15 @@ def validate(
     data: bytes | bytearray | memoryview | np.ndarray,
     session: SessionSpec,
     transfer: TransferSpec | None = None,
+    *,
+    tag: bool = True,
 ) -> Reason:
     """Check every header field of one packet against ``session`` (and ``transfer``).
 
     Returns the first failing :class:`Reason`, or ``Reason.OK``. Cheap framing checks run before
-    the tag, so junk costs little; the tag runs before any field is believed.
+    the tag, so junk costs little; the tag runs before any field is believed. ``tag=False``
+    skips the tag, for a caller that checks it later before using the packet (the receive
+    kernels do, when held early data is replayed).
     """
     buf = _as_u8(data)
     n = buf.shape[0]
@@ -327,7 +331,7 @@ def validate(
         return Reason.BAD_KIND
     if int(h["job"]) != session.job:
         return Reason.FOREIGN_JOB
-    if packet_tag(buf, session.key) != int(h["tag"]):
+    if tag and packet_tag(buf, session.key) != int(h["tag"]):
         return Reason.BAD_TAG
     if not session.step_lo <= int(h["step"]) <= session.step_hi:
         return Reason.STALE_STEP

@@ -193,7 +193,7 @@ class ReceiverCore:
         self, t: InTransfer, packets: list[bytes], now: float, session: SessionSpec
     ) -> None:
         slot = self.config.slot_bytes
-        arena = np.zeros((len(packets), slot), dtype=np.uint8)
+        arena = np.empty((len(packets), slot), dtype=np.uint8)  # rows are read to their length
         lengths = np.zeros(len(packets), dtype=np.int32)
         paths = np.zeros(len(packets), dtype=np.int64)
         for i, b in enumerate(packets):
