@@ -42,7 +42,7 @@ from transport.outgoing import (
     OutKey,
     OutTransfer,
 )
-from transport.packet import Kind
+from transport.packet import HEADER_SIZE, Kind
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
@@ -542,21 +542,28 @@ class SenderCore:
         t.tx[chunks] = np.minimum(t.tx[chunks].astype(np.int64) + 1, 255).astype(np.uint8)
         t.advance_cursor()
         self.paths[peer].on_sent(paths, sizes, now)
-        for q in np.unique(paths):
-            self.pacers[(peer, int(q))].consume(int(sizes[paths == q].sum()), now)
+        per_path = np.bincount(paths, weights=sizes, minlength=self._n_paths).tolist()
+        for q, nb in enumerate(per_path):
+            if nb:
+                self.pacers[(peer, q)].consume(int(nb), now)
         st = self._stats(t.key.step, t.key.bucket)
         n_cls = len(self._tos)
         st.sent += np.bincount(t.prio[chunks], minlength=n_cls)[:n_cls]
         if n_retx:
             st.retransmitted += np.bincount(t.prio[chunks[:n_retx]], minlength=n_cls)[:n_cls]
-        st.bytes_sent += int(sizes.sum())
-        np.add.at(st.path_bytes, paths, sizes)
-        tos = self._tos[cls]
-        parts = t.datagram_parts
-        for c, q in zip(chunks.tolist(), paths.tolist(), strict=True):
-            hdr, payload = parts(c)
-            out.append(Datagram(hdr, peer, q, tos, payload))
-        return fit, fit + skipped, int(sizes.sum())
+        total = int(sizes.sum())
+        st.bytes_sent += total
+        st.path_bytes += np.asarray(per_path, dtype=np.int64)[: st.path_bytes.shape[0]]
+        # One datagram per chunk: its header row and a view of its payload (never copied).
+        tos, hdr, pay = self._tos[cls], t.hdr_view, t.payload
+        starts = chunks * t.chunk_bytes
+        ends = starts + sizes - HEADER_SIZE
+        for c, q, a, b in zip(
+            chunks.tolist(), paths.tolist(), starts.tolist(), ends.tolist(), strict=True
+        ):
+            h = c * HEADER_SIZE
+            out.append(Datagram(hdr[h : h + HEADER_SIZE], peer, q, tos, pay[a:b]))
+        return fit, fit + skipped, total
 
     def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:
         """Skip droppable chunks that cannot make the soft deadline, within the budget.

@@ -91,6 +91,10 @@ class UdpCounters:
     """Datagrams whose TOS had no socket of its own (sent on the path's main socket)."""
 
 
+#: How a (peer, path, tos) is sent: transport, its socket, destination, 1 if a TOS fallback.
+_Route = tuple[asyncio.DatagramTransport, socket.socket, Address, int]
+
+
 class _SendProtocol(asyncio.DatagramProtocol):
     """The protocol of a send socket: counts errors; it receives nothing (no peer sends to it)."""
 
@@ -140,6 +144,7 @@ class UdpPaths:
         self._tx: list[dict[int, asyncio.DatagramTransport]] = []  # per path: tos -> transport
         self._main: list[asyncio.DatagramTransport] = []
         self._socks: dict[asyncio.DatagramTransport, socket.socket] = {}
+        self._routes: dict[tuple[int, int, int], _Route] = {}  # (peer, path, tos) -> route
         self._peers: list[list[Address]] = []
         self.local: list[Address] = []
 
@@ -171,25 +176,22 @@ class UdpPaths:
     def set_peers(self, peers: Sequence[Sequence[Address]]) -> None:
         """Destination addresses: ``peers[rank][path]``."""
         self._peers = [list(p) for p in peers]
+        self._routes = {}
 
     def send(self, datagrams: Iterable[Datagram]) -> None:
         """Send each datagram from its path's socket for its TOS to its peer's path address."""
         c = self.counters
-        peers, tx_sockets, socks = self._peers, self._tx, self._socks
-        n_paths = len(tx_sockets)
+        routes, route = self._routes, self._route
         for data, peer, path, tos, payload in datagrams:
-            try:
-                addrs = peers[peer]
-                dest = addrs[path % len(addrs)]
-            except (IndexError, ZeroDivisionError):
-                c.unroutable += 1
-                continue
-            by_tos = tx_sockets[path % n_paths]
-            tr = by_tos.get(tos)
-            if tr is None:
-                c.tos_fallback += 1
-                tr = self._main[path % n_paths]
+            r = routes.get((peer, path, tos))
+            if r is None:
+                r = route(peer, path, tos)
+                if r is None:
+                    c.unroutable += 1
+                    continue
+            tr, sock, dest, fallback = r
             c.tx_datagrams += 1
+            c.tos_fallback += fallback
             if payload is None:
                 # asyncio copies what it has to queue (a memoryview into an arena is fine).
                 tr.sendto(data, dest)
@@ -197,12 +199,27 @@ class UdpPaths:
                 continue
             c.tx_bytes += len(data) + len(payload)
             try:
-                socks[tr].sendmsg((data, payload), (), 0, dest)
+                sock.sendmsg((data, payload), (), 0, dest)
             except (BlockingIOError, InterruptedError):
                 tr.sendto(b"".join((data, payload)), dest)  # queued: an owned copy
             except OSError as e:  # e.g. an ICMP error reported on this send: count, go on
                 c.tx_errors += 1
                 log.debug("path %d: send error %s", path, e)
+
+    def _route(self, peer: int, path: int, tos: int) -> _Route | None:
+        """Transport, socket, destination and fallback flag of (peer, path, tos), cached."""
+        try:
+            addrs = self._peers[peer]
+            dest = addrs[path % len(addrs)]
+            by_tos = self._tx[path % len(self._tx)]
+        except (IndexError, ZeroDivisionError):
+            return None
+        tr = by_tos.get(tos)
+        fallback = tr is None  # a TOS nobody declared: the path's main socket, counted
+        if tr is None:
+            tr = self._main[path % len(self._main)]
+        r = self._routes[(peer, path, tos)] = (tr, self._socks[tr], dest, int(fallback))
+        return r
 
     def poll(self) -> None:
         """Receive whatever is waiting on every receive socket now (without waiting)."""
