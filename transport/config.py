@@ -90,6 +90,13 @@ class TransportConfig:
     pacing: PacingConfig = field(default_factory=PacingConfig)
 
     def __post_init__(self) -> None:
+        for name, kind in _NESTED.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise ConfigError(
+                    f"{name} must be a {kind.__name__}, got {type(value).__name__} "
+                    f"(build nested settings from a mapping with TransportConfig.from_mapping)"
+                )
         if not 0 <= self.job <= 0xFFFFFFFF:
             raise ConfigError(f"job={self.job}: the job token is a u32 (0..4294967295)")
         if self.chunk_bytes % 4 or not 64 <= self.chunk_bytes <= MAX_UDP_PAYLOAD - HEADER_SIZE:
@@ -186,6 +193,15 @@ class TransportConfig:
         tree.update(overrides)
         return cls.from_mapping(tree)
 
+
+#: The nested policy configs and their types (checked at construction: a plain dict there
+#: would only fail deep inside a running engine).
+_NESTED: dict[str, type] = {
+    "priority": PriorityConfig,
+    "loss": LossConfig,
+    "paths": PathConfig,
+    "pacing": PacingConfig,
+}
 
 #: GRADLANE_* variables that are not transport settings (read by other components).
 _NOT_CONFIG = frozenset({"GRADLANE_FASTMATH", "GRADLANE_MODE", "GRADLANE_LOG"})

@@ -365,6 +365,13 @@ def test_bad_config_is_a_clear_error():
         TransportConfig(chunk_bytes=3)
     with pytest.raises(ConfigError, match="unknown setting"):
         TransportConfig.from_mapping({"chunk_byte": 8})
+    with pytest.raises(ConfigError, match="pacing must be a PacingConfig"):
+        TransportConfig(pacing={"controller": "fixed"})  # a dict: only from_mapping builds it
+    with pytest.raises(ConfigError, match="socket_buffer_bytes"):
+        TransportConfig(socket_buffer_bytes=0)
+    assert TransportConfig.from_mapping({"pacing": {"controller": "fixed"}}).pacing.controller == (
+        "fixed"
+    )
     cfg = TransportConfig.from_env({"GRADLANE_LOSS__LOSS_BOUND": "0.02", "GRADLANE_N_PATHS": "2"})
     assert cfg.loss.loss_bound == 0.02 and cfg.n_paths == 2
 
