@@ -294,7 +294,8 @@ def assign_plan(
         rates[p] = max(rate[p], min_rate)
 
     if n_pkt <= small_batch and n_suspect == 0:
-        # Each packet to the UP path whose backlog would drain first (first one on ties).
+        # Tiny batches (a paced sender's usual case): each packet to the UP path whose backlog
+        # would drain first — what water-filling converges to (the first such path on ties).
         backlog = outstanding.copy()
         for i in range(n_pkt):
             size = sizes[i]
@@ -311,7 +312,10 @@ def assign_plan(
             backlog[q] += size
         return ASSIGNED
 
-    # Water-fill the batch's bytes over the UP paths (see paths._water_fill's reference).
+    # Water-fill the batch's bytes over the UP paths: the level L with
+    # Σ max(0, L·rate - outstanding) = batch. With the paths sorted by drain time
+    # outstanding / rate and the j fastest-draining active, L_j = (batch + Σ outstanding) / Σ rate;
+    # the right j is the last whose L_j reaches its own drain time.
     batch = _np_sum(sizes, 0, n_pkt)
     up_idx = np.empty(n_up, dtype=np.int64)
     k = 0
