@@ -43,14 +43,18 @@ from enum import IntEnum
 
 import numpy as np
 
-from scheduling._path_kernels import ack_update
+from scheduling._path_kernels import (
+    ASSIGNED,
+    SPREAD_SPLIT,
+    ack_update,
+    assign_plan,
+    assign_spread,
+    sent_update,
+)
 from scheduling.errors import ConfigError
 
 __all__ = ["PathConfig", "PathSet", "PathState"]
 
-# Frac part of the golden ratio: the Weyl sequence frac(offset + k·φ) is the most evenly
-# spread of its kind (three-distance theorem), so every prefix of a batch is split in proportion.
-_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 _MIN_RATE = 1.0  # bytes/s; keeps divisions finite for a path that has delivered nothing
 _RTO_FLOOR_S = 0.001
 _NO_RTT = np.empty(0)
@@ -169,6 +173,8 @@ class PathSet:
         # not silent, so its silence clock starts when it has something to deliver).
         self._last_progress = np.zeros(n)
         self._next_probe = np.full(n, np.inf)
+        # Scratch of assign(): main weights (row 0) and the SUSPECT-trickle weights (row 1).
+        self._weights = np.zeros((2, n))
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -268,68 +274,50 @@ class PathSet:
             raise ValueError(
                 f"sizes {sizes_a.shape} and protected {prot.shape} must be 1-D of equal length"
             )
-        n_pkt = sizes_a.shape[0]
-        out = np.empty(n_pkt, dtype=np.int64)
-        if n_pkt == 0:
+        out = np.empty(sizes_a.shape[0], dtype=np.int64)
+        if not out.shape[0]:
             return out
-        # States as of ``now``: a path that fell silent since the driver's last tick() must not
-        # get protected packets in the meantime (tick() itself still reports the transition).
-        to_suspect, to_down = self._transitions(now)
-        state = self._state.copy()
-        state[to_suspect] = PathState.SUSPECT
-        state[to_down] = PathState.DOWN
-        up = state == PathState.UP
-        suspect = state == PathState.SUSPECT
-        if not up.any():
-            out.fill(self._best(suspect if suspect.any() else np.ones(self.n_paths, bool)))
-            return out
-
-        rate = np.maximum(self._rate, _MIN_RATE)
-        if n_pkt <= _SMALL_BATCH and not suspect.any():
-            # Tiny batches (a paced sender's usual case): give each packet to the path whose
-            # backlog would drain first — what water-filling converges to — without the array
-            # machinery, which costs more than the decision here.
-            backlog = self._outstanding.tolist()
-            rates = rate.tolist()
-            usable = np.flatnonzero(up).tolist()
-            for i, size in enumerate(sizes_a.tolist()):
-                q = min(usable, key=lambda p: (backlog[p] + size) / rates[p])
-                out[i] = q
-                backlog[q] += size
-            return out
-        batch = float(sizes_a.sum())
-        share = _water_fill(rate[up], self._outstanding[up], batch)
-        main = np.zeros(self.n_paths)
-        main[up] = share
-        if main.sum() <= 0.0:  # zero-byte batch: plain proportional split
-            main[up] = rate[up]
-        main /= main.sum()
-
-        offset = float(self._rng.random())
-        if prot.all() or not suspect.any() or self.config.suspect_share == 0.0:
-            out[:] = _interleave(main, n_pkt, offset)
-            return out
-        # Unprotected packets may also use SUSPECT paths, at a trickle split by their rates.
-        other = main * (1.0 - self.config.suspect_share)
-        other[suspect] = self.config.suspect_share * rate[suspect] / rate[suspect].sum()
-        # Protected and unprotected packets each follow their own sequence, so a protected
-        # packet can never land on a SUSPECT path and both stay evenly spread in order.
-        p_idx = np.flatnonzero(prot)
-        u_idx = np.flatnonzero(~prot)
-        out[p_idx] = _interleave(main, p_idx.shape[0], offset)
-        out[u_idx] = _interleave(other, u_idx.shape[0], offset)
+        # One compiled pass (``scheduling._path_kernels``; numpy reference in tests/unit/naive.py):
+        # states as of ``now`` (a path that fell silent since the driver's last tick() must not
+        # get protected packets in the meantime; tick() itself still reports the transition),
+        # the fallbacks, and the water level. The interleaving offset is drawn only when the
+        # packets are spread, between the two kernels.
+        cfg = self.config
+        mode = assign_plan(
+            sizes_a,
+            prot,
+            float(now),
+            self._state,
+            self._outstanding,
+            self._last_progress,
+            self._loss,
+            self._rate,
+            self._last_delivery,
+            cfg.suspect_after_s,
+            cfg.down_after_s,
+            cfg.loss_suspect,
+            cfg.suspect_share,
+            _MIN_RATE,
+            _SMALL_BATCH,
+            self._weights,
+            out,
+        )
+        if mode != ASSIGNED:
+            offset = float(self._rng.random())
+            assign_spread(self._weights, prot, mode == SPREAD_SPLIT, offset, out)
         return out
 
     # -- feedback -------------------------------------------------------------------------------
 
     def on_sent(self, path: np.ndarray, sizes: np.ndarray, now: float) -> None:
-        """Account packets handed to the network."""
-        sent = self._per_path(path, sizes)
-        was_idle = self._outstanding <= 0.0
-        got = sent > 0
-        self._outstanding += sent
-        self._sent_total += sent
-        self._last_progress = np.where(got & was_idle, now, self._last_progress)
+        """Account packets handed to the network (one compiled pass)."""
+        path_a = np.asarray(path, dtype=np.int64)
+        sizes_a = np.asarray(sizes, dtype=np.float64)
+        if path_a.shape != sizes_a.shape or path_a.ndim != 1:
+            raise ValueError(f"path {path_a.shape} and sizes {sizes_a.shape} must be 1-D, equal")
+        sent_update(
+            path_a, sizes_a, float(now), self._outstanding, self._sent_total, self._last_progress
+        )
 
     def on_acked(
         self,
@@ -476,36 +464,3 @@ class PathSet:
         else:
             # Probe at once on entering SUSPECT/DOWN, unless a probe is already scheduled.
             self._next_probe[mask] = np.minimum(self._next_probe[mask], now)
-
-    def _best(self, candidates: np.ndarray) -> int:
-        """Best path among ``candidates``: most recent delivery, then highest rate."""
-        idx = np.flatnonzero(candidates)
-        order = np.lexsort((-self._rate[idx], -self._last_delivery[idx]))
-        return int(idx[order[0]])
-
-
-def _water_fill(rate: np.ndarray, outstanding: np.ndarray, batch: float) -> np.ndarray:
-    """Bytes per path so that ``(outstanding + x) / rate`` is equal on every path that gets any.
-
-    Finds the level ``L`` with ``Σ max(0, L·rate - outstanding) = batch``: paths sorted by drain
-    time ``outstanding / rate``; with the ``j`` fastest-draining paths active,
-    ``L_j = (batch + Σ outstanding) / Σ rate``; the right ``j`` is the last with ``L_j`` above
-    the ``j``-th drain time.
-    """
-    drain = outstanding / rate
-    order = np.argsort(drain, kind="stable")
-    cum_out = np.cumsum(outstanding[order])
-    cum_rate = np.cumsum(rate[order])
-    level = (batch + cum_out) / cum_rate
-    active = int(np.flatnonzero(level >= drain[order])[-1])
-    return np.maximum(level[active] * rate - outstanding, 0.0)
-
-
-def _interleave(weights: np.ndarray, n: int, offset: float) -> np.ndarray:
-    """``n`` path indices in proportion to ``weights``, evenly spread along the sequence."""
-    cum = np.cumsum(weights)
-    cum /= cum[-1]
-    u = np.modf(offset + _GOLDEN * np.arange(n, dtype=np.float64))[0]
-    idx = np.searchsorted(cum, u, side="right")
-    # u < 1 = cum[-1] so idx < len(weights); the clip guards float round-off in cum.
-    return np.minimum(idx, weights.shape[0] - 1).astype(np.int64)

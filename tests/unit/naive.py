@@ -35,6 +35,9 @@ __all__ = [
     "hadamard_inverse",
     "local_sum",
     "pack",
+    "path_ack_update",
+    "path_assign",
+    "path_on_sent",
     "place",
     "reduce",
     "signs",
@@ -302,3 +305,119 @@ def local_sum(srcs: Sequence[np.ndarray], dtype: DType) -> np.ndarray:
     for s in srcs[1:]:
         out = (out + as_float32(wire_bits(s, dtype), dtype)).astype(np.float32)
     return out
+
+
+# -- PathSet assignment and send accounting: the numpy formulations the kernels must match --------
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+_SMALL_BATCH = 4
+
+
+def path_assign(ps: Any, now: float, sizes: np.ndarray, protected: np.ndarray) -> np.ndarray:
+    """Reference of ``PathSet.assign`` on ``ps``'s arrays (drawing its offset from ``ps._rng``).
+
+    Effective states as of ``now``, the all-down / no-UP fallback to the best path, the greedy
+    small-batch branch, then water-filling and golden-ratio interleaving, with a separate
+    sequence for unprotected packets when SUSPECT paths take a trickle.
+    """
+    cfg = ps.config
+    sizes_a = np.asarray(sizes, dtype=np.float64)
+    prot = np.asarray(protected, dtype=bool)
+    n_pkt = sizes_a.shape[0]
+    out = np.empty(n_pkt, dtype=np.int64)
+    if n_pkt == 0:
+        return out
+    to_suspect, to_down = _path_transitions(ps, now)
+    state = ps._state.copy()
+    state[to_suspect] = 1
+    state[to_down] = 2
+    up = state == 0
+    suspect = state == 1
+    if not up.any():
+        out.fill(_path_best(ps, suspect if suspect.any() else np.ones(ps.n_paths, bool)))
+        return out
+
+    rate = np.maximum(ps._rate, 1.0)
+    if n_pkt <= _SMALL_BATCH and not suspect.any():
+        backlog = ps._outstanding.tolist()
+        rates = rate.tolist()
+        usable = np.flatnonzero(up).tolist()
+        for i, size in enumerate(sizes_a.tolist()):
+            q = min(usable, key=lambda p: (backlog[p] + size) / rates[p])
+            out[i] = q
+            backlog[q] += size
+        return out
+    batch = float(sizes_a.sum())
+    share = _water_fill(rate[up], ps._outstanding[up], batch)
+    main = np.zeros(ps.n_paths)
+    main[up] = share
+    if main.sum() <= 0.0:  # zero-byte batch: plain proportional split
+        main[up] = rate[up]
+    main /= main.sum()
+
+    offset = float(ps._rng.random())
+    if prot.all() or not suspect.any() or cfg.suspect_share == 0.0:
+        out[:] = _interleave(main, n_pkt, offset)
+        return out
+    other = main * (1.0 - cfg.suspect_share)
+    other[suspect] = cfg.suspect_share * rate[suspect] / rate[suspect].sum()
+    p_idx = np.flatnonzero(prot)
+    u_idx = np.flatnonzero(~prot)
+    out[p_idx] = _interleave(main, p_idx.shape[0], offset)
+    out[u_idx] = _interleave(other, u_idx.shape[0], offset)
+    return out
+
+
+def path_on_sent(ps: Any, path: np.ndarray, sizes: np.ndarray, now: float) -> None:
+    """Reference of ``PathSet.on_sent``."""
+    sent = np.bincount(
+        np.asarray(path, dtype=np.int64),
+        weights=np.asarray(sizes, dtype=np.float64),
+        minlength=ps.n_paths,
+    )
+    was_idle = ps._outstanding <= 0.0
+    got = sent > 0
+    ps._outstanding += sent
+    ps._sent_total += sent
+    ps._last_progress[:] = np.where(got & was_idle, now, ps._last_progress)
+
+
+def _path_transitions(ps: Any, now: float) -> tuple[np.ndarray, np.ndarray]:
+    cfg = ps.config
+    silent_for = now - ps._last_progress
+    busy = ps._outstanding > 0.0
+    up = ps._state == 0
+    suspect = ps._state == 1
+    to_down = (busy | suspect) & (ps._state != 2) & (silent_for >= cfg.down_after_s)
+    to_suspect = (
+        up
+        & ~to_down
+        & ((busy & (silent_for >= cfg.suspect_after_s)) | (ps._loss > cfg.loss_suspect))
+    )
+    return to_suspect, to_down
+
+
+def _path_best(ps: Any, candidates: np.ndarray) -> int:
+    """Most recent delivery, then highest rate."""
+    idx = np.flatnonzero(candidates)
+    order = np.lexsort((-ps._rate[idx], -ps._last_delivery[idx]))
+    return int(idx[order[0]])
+
+
+def _water_fill(rate: np.ndarray, outstanding: np.ndarray, batch: float) -> np.ndarray:
+    """Bytes per path so that ``(outstanding + x) / rate`` is equal on every path that gets any."""
+    drain = outstanding / rate
+    order = np.argsort(drain, kind="stable")
+    cum_out = np.cumsum(outstanding[order])
+    cum_rate = np.cumsum(rate[order])
+    level = (batch + cum_out) / cum_rate
+    active = int(np.flatnonzero(level >= drain[order])[-1])
+    return np.maximum(level[active] * rate - outstanding, 0.0)
+
+
+def _interleave(weights: np.ndarray, n: int, offset: float) -> np.ndarray:
+    """``n`` path indices in proportion to ``weights``, evenly spread along the sequence."""
+    cum = np.cumsum(weights)
+    cum /= cum[-1]
+    u = np.modf(offset + _GOLDEN * np.arange(n, dtype=np.float64))[0]
+    idx = np.searchsorted(cum, u, side="right")
+    return np.minimum(idx, weights.shape[0] - 1).astype(np.int64)

@@ -480,3 +480,82 @@ def test_released_and_written_off_bytes_leave_outstanding_once() -> None:
     np.testing.assert_array_equal(ps.outstanding, [0.0, 0.0])
     with pytest.raises(ValueError):
         ps.on_released(np.array([2]), np.array([1.0]))
+
+
+_PATH = st.tuples(
+    st.sampled_from([PathState.UP, PathState.UP, PathState.SUSPECT, PathState.DOWN]),
+    st.sampled_from([0.0, 0.0, 1.0, 999.5, 8192.0, 5e4, 3e6]),  # outstanding
+    st.sampled_from([1e-6, 0.5, 1.0, 3.0, 1e3, 1e6, 1.25e8, 7.3e8]),  # rate (incl. tiny)
+    st.sampled_from([0.0, 0.01, 0.05, 0.07, 0.2, 0.5]),  # silent for (thresholds 0.05, 0.2)
+    st.sampled_from([0.0, 0.1, 0.3, 0.31, 0.9]),  # loss EWMA (threshold 0.3)
+    st.sampled_from([-np.inf, 0.0, 0.5, 0.9, 1.0]),  # last delivery
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    paths=st.lists(_PATH, min_size=1, max_size=10),
+    batches=st.lists(
+        st.tuples(
+            st.one_of(st.integers(0, 6), st.integers(0, 300)),  # packets (greedy branch: <= 4)
+            st.sampled_from(["const", "int", "float", "zero", "mixed"]),  # sizes
+            st.sampled_from(["all", "none", "alternate", "random"]),  # protected
+            st.floats(0.0, 0.1),  # time step
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    suspect_share=st.sampled_from([0.0, 0.02, 0.5]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_compiled_assign_matches_the_numpy_reference(
+    paths: list, batches: list, suspect_share: float, seed: int
+) -> None:
+    """The compiled assign (and on_sent) equal the numpy formulation index for index, and draw
+    the same numbers from the generator (same branch, same stream)."""
+    n = len(paths)
+    now = 1.0
+    fast = PathSet(n, PathConfig(suspect_share=suspect_share), np.random.default_rng(seed))
+    ref = PathSet(n, PathConfig(suspect_share=suspect_share), np.random.default_rng(seed))
+    for ps in (fast, ref):
+        ps._state[:] = [s for s, *_ in paths]
+        ps._outstanding[:] = [o for _, o, *_ in paths]
+        ps._rate[:] = [r for _, _, r, *_ in paths]
+        ps._last_progress[:] = [now - t for *_, t, _, _ in paths]
+        ps._loss[:] = [x for *_, x, _ in paths]
+        ps._last_delivery[:] = [d for *_, d in paths]
+    gen = np.random.default_rng(seed)
+    for n_pkt, size_kind, prot_kind, dt in batches:
+        sizes = {
+            "const": np.full(n_pkt, 8192.0),
+            "int": gen.integers(1, 9000, n_pkt).astype(np.float64),
+            "float": gen.uniform(0.0, 1e5, n_pkt),
+            "zero": np.zeros(n_pkt),
+            "mixed": np.where(gen.random(n_pkt) < 0.3, 0.0, gen.uniform(1.0, 1e4, n_pkt)),
+        }[size_kind]
+        prot = {
+            "all": np.ones(n_pkt, bool),
+            "none": np.zeros(n_pkt, bool),
+            "alternate": np.arange(n_pkt) % 2 == 0,
+            "random": gen.random(n_pkt) < 0.4,
+        }[prot_kind]
+        got = fast.assign(now=now, sizes=sizes, protected=prot)
+        want = naive.path_assign(ref, now, sizes, prot)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, want)
+        fast.on_sent(got, sizes, now)
+        naive.path_on_sent(ref, want, sizes, now)
+        for name in ("_outstanding", "_sent_total", "_last_progress", "_state"):
+            np.testing.assert_array_equal(getattr(fast, name), getattr(ref, name), err_msg=name)
+        now += dt
+    assert fast._rng.random() == ref._rng.random()  # the same number of offsets drawn
+
+
+def test_kernel_sum_is_numpys_pairwise_sum() -> None:
+    """The kernels' batch and weight sums round exactly as ``ndarray.sum`` (pairwise) does."""
+    from scheduling._path_kernels import _np_sum
+
+    gen = np.random.default_rng(7)
+    for n in [*range(0, 300), 1000, 4097, 10_000]:
+        a = gen.uniform(0.0, 1e5, n) * gen.choice([1e-9, 1.0, 1e9], n)
+        assert _np_sum(a, 0, n) == a.sum(), n
