@@ -174,14 +174,14 @@ class OutTransfer:
         )
 
     def release_source(self) -> None:
-        """Stop reading the caller's buffer: copy out the payloads still owed (chunks neither
-        acknowledged nor abandoned), which retransmissions may need."""
+        """Stop reading the caller's buffer: copy out every payload that may still be sent —
+        any chunk not acknowledged, abandoned ones included (a NACK can still ask for one)."""
         if self._owned:
             return
         self._owned = True
         src = np.frombuffer(self.payload, dtype=np.uint8)
         owned = np.empty_like(src)  # pages never written are never touched
-        owed = np.flatnonzero(self.state < ACKED)
+        owed = np.flatnonzero(self.state != ACKED)
         if owed.size * 2 > self.n_chunks:
             owned[:] = src
         else:
