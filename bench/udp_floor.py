@@ -1,0 +1,216 @@
+"""How fast could a Python UDP all-reduce be on this machine? A protocol-free floor against gloo.
+
+``python -m bench.udp_floor [--ranks 2,4] [--sizes 25,100] [--reps 15] [--json out.json]``
+
+Each rank runs the same transpose all-reduce as gradlane (reduce-scatter by direct all-to-all,
+then all-gather) over one raw UDP socket on loopback, with nothing of a transport around it: no
+acknowledgements, retransmissions, priorities, paths, pacing or integrity tags — ``sendmsg`` of a
+16-byte header and a view of the buffer, ``recv_into`` and a numpy add or copy per 64 KB
+datagram. It is what the interpreter and the kernel cost by themselves, so it bounds what any
+Python transport can reach here; gradlane's own all-reduce (``bench.allreduce``) adds its
+protocol on top. gloo's ``all_reduce`` runs in the same processes, interleaved, timed the same
+way (a gloo barrier, then the slowest rank's time). Loopback with 64 MiB socket buffers does
+not drop; should a datagram be lost anyway the repetition times out after 5 s and is counted
+as ``lost_reps`` (its time is left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import select
+import socket
+import struct
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+MB = 1 << 20
+DATAGRAM = 65000
+HDR = struct.Struct("<IIII")  # repetition, phase, element offset, element count
+TIMEOUT_S = 5.0
+
+
+def _exchange(
+    sock: socket.socket,
+    ports: list[int],
+    me: int,
+    buf: np.ndarray,
+    bounds: np.ndarray,
+    rep: int,
+) -> bool:
+    """One all-reduce of ``buf`` in place; False if a datagram never came (timed out)."""
+    world = len(ports)
+    el = (DATAGRAM - HDR.size) // 4
+    raw = memoryview(buf).cast("B")
+    rbuf = bytearray(DATAGRAM + HDR.size)
+    rview = memoryview(rbuf)
+    hdr = bytearray(HDR.size)
+    lo, hi = int(bounds[me]), int(bounds[me + 1])
+    got = [0, 0]
+    need = [
+        (world - 1) * -(-(hi - lo) // el),
+        sum(-(-(int(bounds[j + 1]) - int(bounds[j])) // el) for j in range(world) if j != me),
+    ]
+    for phase in (0, 1):
+        sends = []
+        for j in range(world):
+            if j == me:
+                continue
+            a, b = (int(bounds[j]), int(bounds[j + 1])) if phase == 0 else (lo, hi)
+            sends += [(off - a, j, off, min(b, off + el)) for off in range(a, b, el)]
+        sends.sort()  # interleave destinations
+        i = 0
+        deadline = time.monotonic() + TIMEOUT_S
+        while got[phase] < need[phase] or i < len(sends):
+            for _ in range(8):
+                if i >= len(sends):
+                    break
+                _, j, a, b = sends[i]
+                HDR.pack_into(hdr, 0, rep, phase, a, b - a)
+                try:
+                    sock.sendmsg((hdr, raw[4 * a : 4 * b]), (), 0, ("127.0.0.1", ports[j]))
+                except BlockingIOError:
+                    break
+                i += 1
+            while True:
+                try:
+                    n = sock.recv_into(rview)
+                except BlockingIOError:
+                    break
+                r, ph, off, cnt = HDR.unpack_from(rbuf, 0)
+                if r != rep or n != HDR.size + 4 * cnt:
+                    continue
+                data = np.frombuffer(rbuf, np.float32, cnt, HDR.size)
+                if ph == 0:
+                    buf[off : off + cnt] += data
+                else:
+                    buf[off : off + cnt] = data
+                got[ph] += 1
+            if got[phase] < need[phase] and i >= len(sends):
+                if time.monotonic() > deadline:
+                    return False
+                select.select([sock], [], [], 0.05)
+    return True
+
+
+def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for opt, force in ((socket.SO_RCVBUF, 33), (socket.SO_SNDBUF, 32)):
+        sock.setsockopt(socket.SOL_SOCKET, opt, 64 * MB)
+        with contextlib.suppress(OSError):  # past rmem_max when permitted, like gradlane's
+            sock.setsockopt(socket.SOL_SOCKET, force, 64 * MB)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    store.set(f"port{rank}", str(sock.getsockname()[1]))
+    ports = [int(store.get(f"port{r}")) for r in range(world)]
+    rows = []
+    rep = 0
+    for mb in args["sizes"]:
+        n = int(mb * MB) // 4
+        data = np.random.default_rng([rank, n]).standard_normal(n).astype(np.float32)
+        bounds = np.linspace(0, n, world + 1).astype(np.int64)
+        times: dict[str, list[float]] = {"gloo": [], "udp_floor": []}
+        lost = 0
+        results: dict[str, np.ndarray] = {}
+        for k in range(args["reps"] + 1):  # the first repetition warms up, untimed
+            for name in ("gloo", "udp_floor") if k % 2 else ("udp_floor", "gloo"):
+                rep += 1
+                buf = data.copy()
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "gloo":
+                    dist.all_reduce(torch.from_numpy(buf))
+                    ok = True
+                else:
+                    ok = _exchange(sock, ports, rank, buf, bounds, rep)
+                if k == 0:
+                    results[name] = buf  # the warm-up's sums, compared below
+                dt = torch.tensor([time.perf_counter() - t0, 0.0 if ok else 1.0])
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                if k and dt[1] == 0.0:
+                    times[name].append(float(dt[0]))
+                elif k:
+                    lost += 1
+        # The floor must compute the same sum as gloo (else its time means nothing).
+        err = torch.tensor([float(np.max(np.abs(results["udp_floor"] - results["gloo"])))])
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            med = {t: float(np.median(v)) if v else float("nan") for t, v in times.items()}
+            rows.append(
+                {
+                    "ranks": world,
+                    "MB": mb,
+                    "gloo_median_s": med["gloo"],
+                    "floor_median_s": med["udp_floor"],
+                    "ratio": med["udp_floor"] / med["gloo"],
+                    "lost_reps": lost,
+                    "max_abs_err_vs_gloo": float(err[0]),
+                }
+            )
+    sock.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the floor against gloo for each rank count; print a table and write JSON."""
+    import multiprocessing as mp
+
+    p = argparse.ArgumentParser(
+        prog="python -m bench.udp_floor", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
+    p.add_argument("--sizes", default="25,100", help="comma-separated sizes in MB")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    args = {"sizes": [float(x) for x in a.sizes.split(",")], "reps": a.reps}
+    ctx = mp.get_context("spawn")
+    rows: list[dict[str, Any]] = []
+    for world in (int(x) for x in a.ranks.split(",")):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_rank, args=(r, world, port, args, out)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        try:
+            rows += out.get(timeout=600)
+        finally:
+            for proc in procs:
+                proc.join(60)
+                if proc.is_alive():
+                    proc.kill()
+    print(f"{'ranks x MB':>10}  {'gloo ms':>8}  {'floor ms':>8}  {'x gloo':>6}  lost  max err")
+    for r in rows:
+        print(
+            f"{r['ranks']:>4} x {r['MB']:<4g}  {1e3 * r['gloo_median_s']:8.1f}  "
+            f"{1e3 * r['floor_median_s']:8.1f}  {r['ratio']:6.2f}  {r['lost_reps']:4d}  "
+            f"{r['max_abs_err_vs_gloo']:.1e}"
+        )
+    summary = {"floor_vs_gloo": {f"{r['ranks']}x{r['MB']:g}": r["ratio"] for r in rows}}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(
+                {"config": {**args, "ranks": a.ranks}, "rows": rows, "summary": summary},
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""``python -m bench.udp_floor`` runs end to end and writes its summary.
+
+No timing is asserted: only that the protocol-free floor computed gloo's sum (so its time is
+the time of a real all-reduce), that nothing was lost on loopback, and that the JSON has its
+summary.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import udp_floor
+
+
+@pytest.mark.timeout(300)
+def test_udp_floor_benchmark_matches_gloo_and_writes_its_summary(tmp_path):
+    path = tmp_path / "floor.json"
+    args = ["--ranks", "2", "--sizes", "1", "--reps", "2", "--json", str(path)]
+    assert udp_floor.main(args) == 0
+    doc = json.loads(path.read_text())
+    assert set(doc["summary"]["floor_vs_gloo"]) == {"2x1"}
+    (row,) = doc["rows"]
+    assert row["lost_reps"] == 0
+    assert row["max_abs_err_vs_gloo"] < 1e-5  # float32 sums of two ranks, order may differ
+    assert row["floor_median_s"] > 0 and row["gloo_median_s"] > 0
