@@ -201,8 +201,8 @@ def _norms_and_hadamard(
     summary: dict[str, float],
 ) -> None:
     nbytes = src.nbytes
-    t = _solo(lambda: kernels.chunk_norms(src, dtype=DType.F32, chunk_elems=2048), reps)
-    _row(results, kernel="chunk_norms", size_MB=size_mb, GBps=nbytes / t / 1e9)
+    t = _solo(lambda: kernels.chunk_stats(src, dtype=DType.F32, chunk_elems=2048), reps)
+    _row(results, kernel="chunk_stats", size_MB=size_mb, GBps=nbytes / t / 1e9)
     work = src.copy()
     t = _solo(lambda: kernels.hadamard_forward(work, seed=7, block=1024), reps)
     _row(results, kernel="hadamard_fwd", size_MB=size_mb, GBps=nbytes / t / 1e9)

@@ -191,36 +191,6 @@ def _max_abs_u16(h: np.ndarray, bf16: bool) -> np.float32:
     return bf16_to_f32(np.uint16(mx)) if bf16 else f16_to_f32(np.uint16(mx))
 
 
-@njit(**REDUCTION)
-def chunk_norms_f32(
-    src32: np.ndarray, chunk_elems: int, norms: np.ndarray, maxabs: np.ndarray
-) -> None:
-    """Per-chunk L2 norm and max |x| of a float32 shard given as u32 bits."""
-    n = src32.shape[0]
-    for c in range(norms.shape[0]):
-        off = c * chunk_elems
-        s32 = src32[off : min(n, off + chunk_elems)]
-        norms[c] = np.sqrt(sumsq_f32(s32))
-        maxabs[c] = _U32(max_abs_bits(s32, ABS32)).view(np.float32)
-
-
-@njit(**REDUCTION)
-def chunk_norms_u16(
-    src16: np.ndarray,
-    chunk_elems: int,
-    norms: np.ndarray,
-    maxabs: np.ndarray,
-    bf16: bool,
-) -> None:
-    """Per-chunk L2 norm and max |x| of an f16/bf16 shard given as u16 bits."""
-    n = src16.shape[0]
-    for c in range(norms.shape[0]):
-        off = c * chunk_elems
-        h = src16[off : min(n, off + chunk_elems)]
-        norms[c] = np.sqrt(sumsq_u16(h, bf16))
-        maxabs[c] = _max_abs_u16(h, bf16)
-
-
 # -- zero-copy sending: per-chunk statistics once, then headers only ------------------------------
 # A sender hands the kernel a header and a view of the caller's payload (``sendmsg`` gathers
 # them), so the payload is read once for its statistics instead of copied into an arena for

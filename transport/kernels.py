@@ -53,7 +53,6 @@ __all__ = [
     "CONFIG",
     "ChunkStats",
     "KernelConfig",
-    "chunk_norms",
     "chunk_stats",
     "hadamard_forward",
     "hadamard_inverse",
@@ -133,6 +132,16 @@ def _shard(name: str, src: object, dtype: DType) -> np.ndarray:
         names = ", ".join(d.name for d in allowed)
         raise ValueError(f"{name} for {dtype.name} must be one of ({names}), got {arr.dtype.name}")
     return _readonly(arr.view(np.uint32 if dtype == DType.F32 else np.uint16))
+
+
+def _chunked(src: np.ndarray, dtype: int, chunk_elems: int) -> tuple[DType, np.ndarray, int, int]:
+    """A shard split into chunks: (wire dtype, its raw bits, chunk_elems, number of chunks)."""
+    wire = _wire_dtype(dtype)
+    bits = _shard("src", src, wire)
+    chunk_elems = int(chunk_elems)
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
+    return wire, bits, chunk_elems, -(-bits.shape[0] // chunk_elems)
 
 
 def _arena(arena: object, *, writeable: bool) -> np.ndarray:
@@ -489,29 +498,6 @@ def place_into(
     )
 
 
-def chunk_norms(
-    src: np.ndarray, *, dtype: DType, chunk_elems: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per-chunk (L2 norm, max |x|) of a shard, as float32 arrays, without packing it.
-
-    ``src`` and ``chunk_elems`` as in :func:`pack`; the values equal what :func:`pack` writes.
-    """
-    wire = _wire_dtype(dtype)
-    bits = _shard("src", src, wire)
-    chunk_elems = int(chunk_elems)
-    if chunk_elems < 1:
-        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
-    n_chunks = -(-bits.shape[0] // chunk_elems)
-    norms = np.empty(n_chunks, dtype=np.float32)
-    maxabs = np.empty(n_chunks, dtype=np.float32)
-    if n_chunks:
-        if wire == DType.F32:
-            _pk.chunk_norms_f32(bits, chunk_elems, norms, maxabs)
-        else:
-            _pk.chunk_norms_u16(bits, chunk_elems, norms, maxabs, wire == DType.BF16)
-    return norms, maxabs
-
-
 class ChunkStats(NamedTuple):
     """Per-chunk statistics of a shard, computed once for every destination it is sent to:
     L2 norms (float32; what :func:`pack` writes) and the payload's fast-tag sums (uint64)."""
@@ -524,12 +510,7 @@ class ChunkStats(NamedTuple):
 def chunk_stats(src: np.ndarray, *, dtype: DType, chunk_elems: int) -> ChunkStats:
     """The :class:`ChunkStats` of a shard (``src`` and ``chunk_elems`` as in :func:`pack`): one
     read of the shard, no copy."""
-    wire = _wire_dtype(dtype)
-    bits = _shard("src", src, wire)
-    chunk_elems = int(chunk_elems)
-    if chunk_elems < 1:
-        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
-    n_chunks = -(-bits.shape[0] // chunk_elems)
+    wire, bits, chunk_elems, n_chunks = _chunked(src, dtype, chunk_elems)
     norms = np.empty(n_chunks, dtype=np.float32)
     sum_a = np.empty(n_chunks, dtype=np.uint64)
     sum_b = np.empty(n_chunks, dtype=np.uint64)
@@ -564,12 +545,7 @@ def write_headers(
     each payload (its tag covers header and payload in one stream); the fast tag only combines
     the precomputed sums.
     """
-    wire = _wire_dtype(dtype)
-    bits = _shard("src", src, wire)
-    chunk_elems = int(chunk_elems)
-    if chunk_elems < 1:
-        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
-    n_chunks = -(-bits.shape[0] // chunk_elems)
+    wire, bits, chunk_elems, n_chunks = _chunked(src, dtype, chunk_elems)
     rows = _array("hdr", hdr, 2, writeable=True)
     if rows.dtype != np.uint8 or rows.shape[0] < n_chunks or rows.shape[1] != HEADER_SIZE:
         raise ValueError(

@@ -331,28 +331,29 @@ def test_pack_any_shape_matches_naive(
     assert [arena[c, : lengths[c]].tobytes() for c in range(n_chunks)] == want
 
 
-def test_pack_norms_and_maxabs_of_special_values() -> None:
+def test_pack_and_chunk_stats_norms_of_special_values() -> None:
     src = np.array([1.0, -np.inf, 2.0, np.nan, 3.0, 4.0, -0.0, 0.0], dtype=np.float32)
-    norms, maxabs = kernels.chunk_norms(src, dtype=DType.F32, chunk_elems=2)
-    assert np.isinf(norms[0]) and np.isinf(maxabs[0])
-    assert np.isnan(norms[1]) and np.isnan(maxabs[1])
-    assert norms[2] == 5.0 and maxabs[2] == 4.0
-    assert norms[3] == 0.0 and maxabs[3] == 0.0 and not np.signbit(maxabs[3])
+    norms = np.empty(4, np.float32)
+    maxabs = np.empty(4, np.float32)
+    pack_all(src, DType.F32, 2, TagKey(), header(), norms=norms, maxabs=maxabs)
+    stats = kernels.chunk_stats(src, dtype=DType.F32, chunk_elems=2)
+    for got in (norms, stats.norms):
+        assert np.isinf(got[0]) and np.isnan(got[1]) and got[2] == 5.0 and got[3] == 0.0
+    assert np.isinf(maxabs[0]) and np.isnan(maxabs[1]) and maxabs[2] == 4.0
+    assert maxabs[3] == 0.0 and not np.signbit(maxabs[3])
     bf = np.array([0x3F80, 0xBFC0, 0x7FC0, 0x0000], dtype=np.uint16)  # 1, -1.5, nan, 0
-    norms, maxabs = kernels.chunk_norms(bf, dtype=DType.BF16, chunk_elems=2)
-    assert maxabs[0] == 1.5 and np.isclose(norms[0], np.sqrt(3.25))
-    assert np.isnan(norms[1]) and np.isnan(maxabs[1])
+    stats = kernels.chunk_stats(bf, dtype=DType.BF16, chunk_elems=2)
+    assert np.isclose(stats.norms[0], np.sqrt(3.25)) and np.isnan(stats.norms[1])
 
 
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize(("n", "chunk_elems"), [(0, 4), (1, 1), (1000, 33), (4097, 1024)])
-def test_chunk_norms_match_numpy(dtype: DType, n: int, chunk_elems: int) -> None:
+def test_chunk_stats_norms_match_numpy(dtype: DType, n: int, chunk_elems: int) -> None:
     src = shard(np.random.default_rng(n), n, dtype)
-    norms, maxabs = kernels.chunk_norms(src, dtype=dtype, chunk_elems=chunk_elems)
-    ref_norms, ref_max = naive.chunk_norms(src, dtype, chunk_elems)
-    assert norms.dtype == maxabs.dtype == np.float32
-    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
-    assert np.array_equal(maxabs, ref_max)
+    stats = kernels.chunk_stats(src, dtype=dtype, chunk_elems=chunk_elems)
+    ref_norms, _ = naive.chunk_norms(src, dtype, chunk_elems)
+    assert stats.norms.dtype == np.float32 and stats.sum_a.dtype == np.uint64
+    np.testing.assert_allclose(stats.norms, ref_norms, rtol=1e-5)
 
 
 # --- reduce / place: delivery in any order, with loss and duplicates -------------------------
