@@ -525,8 +525,11 @@ class SenderCore:
             self._maybe_fin(t, now)
             return 0, skipped, 0
         sizes = t.lengths[chunks].astype(np.int64)
-        fit = int(np.searchsorted(np.cumsum(sizes), avail, side="right"))
-        fit = max(fit, 1)  # always make progress: the pacer takes one packet of debt
+        cum = np.cumsum(sizes)
+        if cum[-1] <= avail:  # the usual case on a fast path: the whole batch fits
+            fit = int(cum.shape[0])
+        else:  # always make progress: the pacer takes one packet of debt
+            fit = max(int(np.searchsorted(cum, int(avail), side="right")), 1)
         chunks, sizes = chunks[:fit], sizes[:fit]
         n_retx = int(min(retx.size, fit))
         if self.config.multipath:
