@@ -1,12 +1,16 @@
-"""Per-packet hot paths of gradlane, compiled with numba: pack, reduce, place, norms, Hadamard.
+"""Per-packet hot paths of gradlane, compiled with numba: headers, pack, reduce, place, Hadamard.
 
 Theory of operation
 -------------------
 Packets live in *arenas*: 2-D C-contiguous uint8 arrays, one datagram slot per row, rows a
 multiple of 8 bytes wide (so the 48-byte header and the payload are word aligned), with the
-datagram lengths in a separate int array. The sender packs a shard straight into an arena
-(:func:`pack`); the receiver hands a batch of received rows to :func:`reduce_into` (reduce phase,
-adds into a float32 accumulator) or :func:`place_into` (gather phase, copies bit-exactly).
+datagram lengths in a separate int array. The sender does not copy payloads: it reads a shard
+once for its per-chunk norms and tag sums (:func:`chunk_stats`) and writes one 48-byte header
+per chunk (:func:`write_headers`); header row plus a view of the chunk is the datagram, byte for
+byte what :func:`pack` would build into an arena (kept for drivers that want whole packets, and
+as the tested definition). The receiver hands a batch of received rows to :func:`reduce_into`
+(reduce phase, adds into a float32 accumulator) or :func:`place_into` (gather phase, copies
+bit-exactly).
 
 Each public function here checks dtypes, shapes, contiguity and alignment and raises
 ``ValueError`` saying what to pass instead; the private kernels behind them trust their inputs.
