@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from transport import _kernels_ack as _ack
 from transport import _kernels_hadamard as _had
 from transport import _kernels_pack as _pk
 from transport import _kernels_recv as _rx
@@ -55,8 +56,10 @@ from transport.tag import TAG_FAST, TAG_SIPHASH, TagKey
 
 __all__ = [
     "CONFIG",
+    "AckResult",
     "ChunkStats",
     "KernelConfig",
+    "apply_ack",
     "chunk_stats",
     "hadamard_forward",
     "hadamard_inverse",
@@ -646,3 +649,109 @@ def local_sum(out: np.ndarray, srcs: list[np.ndarray], dtype: int) -> None:
     _sum.add_u16(dst, views[0], views[1], True, bf16)
     for v in views[2:]:
         _sum.add_u16(dst, dst, v, False, bf16)
+
+
+class AckResult(NamedTuple):
+    """What :func:`apply_ack` found, in the order the sender passes it on.
+
+    ``idx`` are the newly acknowledged chunks (ascending); ``sizes``, ``rtt`` (first
+    transmissions only, NaN otherwise), ``paths`` and ``counted`` (bytes that leave the
+    outstanding bytes: INFLIGHT chunks only) are per acknowledged chunk, the arguments of
+    ``PathSet.on_acked``. ``n_lost``, ``n_inflight`` and ``abandoned_elems`` are what left those
+    states. ``trigger_first``: the trigger chunk is among them, as a first transmission.
+    ``path_bytes``/``path_hit``: acknowledged bytes per path, and the paths that had any.
+    ``lost``: the chunks RACK declares lost (ascending).
+    """
+
+    idx: np.ndarray
+    sizes: np.ndarray
+    rtt: np.ndarray
+    paths: np.ndarray
+    counted: np.ndarray
+    n_lost: int
+    n_inflight: int
+    abandoned_elems: int
+    trigger_first: bool
+    path_bytes: np.ndarray
+    path_hit: np.ndarray
+    lost: np.ndarray
+
+
+#: (name, dtype) of apply_ack's per-chunk arrays, in argument order.
+_ACK_ARRAYS = (
+    ("state", np.dtype(np.uint8)),
+    ("tx", np.dtype(np.uint8)),
+    ("sent_at", np.dtype(np.float64)),
+    ("path", np.dtype(np.int16)),
+    ("prio", np.dtype(np.uint8)),
+    ("counts", np.dtype(np.int64)),
+    ("lengths", np.dtype(np.int32)),
+)
+
+
+def apply_ack(
+    state: np.ndarray,
+    tx: np.ndarray,
+    sent_at: np.ndarray,
+    path: np.ndarray,
+    prio: np.ndarray,
+    counts: np.ndarray,
+    lengths: np.ndarray,
+    bits: np.ndarray,
+    *,
+    base: int,
+    trigger: int,
+    now: float,
+    n_paths: int,
+    n_classes: int,
+    reorder_window_s: float,
+) -> AckResult:
+    """Apply an ACK bitmap ``bits`` (bool, chunks ``base ..``) to one outgoing transfer.
+
+    The per-chunk arrays are an :class:`~transport.outgoing.OutTransfer`'s (``state`` is
+    written: newly acknowledged chunks become ACKED; ``lengths`` may be longer than the
+    others). Returns an :class:`AckResult`; the RACK scan uses lanes of ``n_paths`` ×
+    ``n_classes`` and ``reorder_window_s``. Raises ValueError on wrong dtypes, shapes, a
+    negative ``base``, or a chunk's path or class out of range.
+    """
+    arrays = (state, tx, sent_at, path, prio, counts, lengths)
+    n = state.shape[0] if isinstance(state, np.ndarray) else -1
+    for (name, dt), a in zip(_ACK_ARRAYS, arrays, strict=True):
+        if (
+            not isinstance(a, np.ndarray)
+            or a.dtype != dt
+            or a.ndim != 1
+            or not a.flags.c_contiguous
+            or (a.shape[0] != n and not (name == "lengths" and a.shape[0] >= n))
+        ):
+            got = f"{a.dtype.name} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise ValueError(
+                f"{name} must be a C-contiguous 1-D {dt.name} array of state's length {n}; "
+                f"got {got}"
+            )
+    if not state.flags.writeable:
+        raise ValueError("state is read-only; apply_ack marks acknowledged chunks in it")
+    if not isinstance(bits, np.ndarray) or bits.dtype != np.bool_ or bits.ndim != 1:
+        raise ValueError("bits must be a 1-D bool array (the ACK bitmap)")
+    if base < 0 or n_paths < 1 or n_classes < 1:
+        raise ValueError(
+            f"base={base}, n_paths={n_paths}, n_classes={n_classes}: base >= 0, "
+            "at least one path and class"
+        )
+    r = _ack.ack_scan(
+        state,
+        tx,
+        sent_at,
+        path,
+        prio,
+        counts,
+        lengths,
+        bits,
+        base,
+        trigger,
+        float(now),
+        n_paths,
+        n_classes,
+        float(reorder_window_s),
+    )
+    return AckResult(*r)
