@@ -27,7 +27,7 @@ Each kernel has a plain-NumPy reference in ``tests/unit/naive.py`` that the test
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -677,8 +677,8 @@ class AckResult(NamedTuple):
     lost: np.ndarray
 
 
-#: (name, dtype) of apply_ack's per-chunk arrays, in argument order.
-_ACK_ARRAYS = (
+#: (name, dtype) of apply_ack's per-chunk arrays, in argument order, then all its dtypes.
+_ACK_ARRAYS: tuple[tuple[str, np.dtype[Any]], ...] = (
     ("state", np.dtype(np.uint8)),
     ("tx", np.dtype(np.uint8)),
     ("sent_at", np.dtype(np.float64)),
@@ -687,6 +687,32 @@ _ACK_ARRAYS = (
     ("counts", np.dtype(np.int64)),
     ("lengths", np.dtype(np.int32)),
 )
+_ACK_DTYPES = (*(dt for _, dt in _ACK_ARRAYS), np.dtype(np.bool_))
+
+
+def _ack_arguments(
+    arrays: tuple[object, ...], bits: object, base: int, n_paths: int, n_classes: int
+) -> None:
+    """Raise the ValueError that says what is wrong with :func:`apply_ack`'s arguments."""
+    state = arrays[0]
+    n = state.shape[0] if isinstance(state, np.ndarray) and state.ndim == 1 else -1
+    for (name, dt), a in zip(_ACK_ARRAYS, arrays, strict=True):
+        if (
+            not isinstance(a, np.ndarray)
+            or a.dtype != dt
+            or a.ndim != 1
+            or (a.shape[0] != n and not (name == "lengths" and a.shape[0] >= n))
+        ):
+            got = f"{a.dtype.name} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise ValueError(f"{name} must be a 1-D {dt.name} array of state's length; got {got}")
+    if isinstance(state, np.ndarray) and not state.flags.writeable:
+        raise ValueError("state is read-only; apply_ack marks acknowledged chunks in it")
+    if not isinstance(bits, np.ndarray) or bits.dtype != np.bool_ or bits.ndim != 1:
+        raise ValueError("bits must be a 1-D bool array (the ACK bitmap)")
+    raise ValueError(
+        f"base={base}, n_paths={n_paths}, n_classes={n_classes}: base >= 0, "
+        "at least one path and one class"
+    )
 
 
 def apply_ack(
@@ -708,36 +734,29 @@ def apply_ack(
 ) -> AckResult:
     """Apply an ACK bitmap ``bits`` (bool, chunks ``base ..``) to one outgoing transfer.
 
-    The per-chunk arrays are an :class:`~transport.outgoing.OutTransfer`'s (``state`` is
-    written: newly acknowledged chunks become ACKED; ``lengths`` may be longer than the
-    others). Returns an :class:`AckResult`; the RACK scan uses lanes of ``n_paths`` ×
+    The per-chunk arrays are an :class:`~transport.outgoing.OutTransfer`'s, 1-D, any strides
+    (``state`` is written: newly acknowledged chunks become ACKED; ``lengths`` may be longer
+    than the others). Returns an :class:`AckResult`; the RACK scan uses lanes of ``n_paths`` ×
     ``n_classes`` and ``reorder_window_s``. Raises ValueError on wrong dtypes, shapes, a
     negative ``base``, or a chunk's path or class out of range.
     """
     arrays = (state, tx, sent_at, path, prio, counts, lengths)
-    n = state.shape[0] if isinstance(state, np.ndarray) else -1
-    for (name, dt), a in zip(_ACK_ARRAYS, arrays, strict=True):
-        if (
-            not isinstance(a, np.ndarray)
-            or a.dtype != dt
-            or a.ndim != 1
-            or not a.flags.c_contiguous
-            or (a.shape[0] != n and not (name == "lengths" and a.shape[0] >= n))
-        ):
-            got = f"{a.dtype.name} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-            raise ValueError(
-                f"{name} must be a C-contiguous 1-D {dt.name} array of state's length {n}; "
-                f"got {got}"
-            )
-    if not state.flags.writeable:
-        raise ValueError("state is read-only; apply_ack marks acknowledged chunks in it")
-    if not isinstance(bits, np.ndarray) or bits.dtype != np.bool_ or bits.ndim != 1:
-        raise ValueError("bits must be a 1-D bool array (the ACK bitmap)")
-    if base < 0 or n_paths < 1 or n_classes < 1:
-        raise ValueError(
-            f"base={base}, n_paths={n_paths}, n_classes={n_classes}: base >= 0, "
-            "at least one path and class"
+    try:  # one cheap test per ACK; _ack_arguments says what is wrong when it fails
+        dtypes = (state.dtype, tx.dtype, sent_at.dtype, path.dtype, prio.dtype, counts.dtype)
+        ok = (*dtypes, lengths.dtype, bits.dtype) == _ACK_DTYPES and (
+            state.ndim == lengths.ndim == bits.ndim == 1
+            and state.shape == tx.shape == sent_at.shape == path.shape == prio.shape
+            and state.shape == counts.shape
+            and lengths.shape[0] >= state.shape[0]
+            and state.flags.writeable
+            and base >= 0
+            and n_paths >= 1
+            and n_classes >= 1
         )
+    except AttributeError:
+        ok = False
+    if not ok:
+        _ack_arguments(arrays, bits, base, n_paths, n_classes)
     r = _ack.ack_scan(
         state,
         tx,
