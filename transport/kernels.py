@@ -1,4 +1,5 @@
-"""Per-packet hot paths of gradlane, compiled with numba: headers, pack, reduce, place, Hadamard.
+"""Per-packet hot paths of gradlane, compiled with numba: headers, pack, reduce, place, Hadamard,
+and the sender's per-ACK pass (:func:`apply_ack`).
 
 Theory of operation
 -------------------
