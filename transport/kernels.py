@@ -758,20 +758,36 @@ def apply_ack(
         ok = False
     if not ok:
         _ack_arguments(arrays, bits, base, n_paths, n_classes)
-    r = _ack.ack_scan(
-        state,
-        tx,
-        sent_at,
-        path,
-        prio,
-        counts,
-        lengths,
-        bits,
-        base,
-        trigger,
-        float(now),
-        n_paths,
-        n_classes,
-        float(reorder_window_s),
+    idx, sizes, rtt, paths, counted, n_lost, n_inflight, abandoned, first, pbytes, hit, lost = (
+        _ack.ack_scan(
+            state,
+            tx,
+            sent_at,
+            path,
+            prio,
+            counts,
+            lengths,
+            bits,
+            base,
+            trigger,
+            float(now),
+            n_paths,
+            n_classes,
+            float(reorder_window_s),
+        )
     )
-    return AckResult(*r)
+    # int()/bool(): already Python scalars when compiled; numpy ones under NUMBA_DISABLE_JIT.
+    return AckResult(
+        idx,
+        sizes,
+        rtt,
+        paths,
+        counted,
+        int(n_lost),
+        int(n_inflight),
+        int(abandoned),
+        bool(first),
+        pbytes,
+        hit,
+        lost,
+    )
