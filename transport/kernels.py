@@ -1,4 +1,5 @@
-"""Per-packet hot paths of gradlane, compiled with numba: headers, pack, reduce, place, Hadamard.
+"""Per-packet hot paths of gradlane, compiled with numba: headers, pack, reduce, place, Hadamard,
+and the sender's per-ACK pass (:func:`apply_ack`).
 
 Theory of operation
 -------------------
@@ -27,10 +28,11 @@ Each kernel has a plain-NumPy reference in ``tests/unit/naive.py`` that the test
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from transport import _kernels_ack as _ack
 from transport import _kernels_hadamard as _had
 from transport import _kernels_pack as _pk
 from transport import _kernels_recv as _rx
@@ -55,8 +57,10 @@ from transport.tag import TAG_FAST, TAG_SIPHASH, TagKey
 
 __all__ = [
     "CONFIG",
+    "AckResult",
     "ChunkStats",
     "KernelConfig",
+    "apply_ack",
     "chunk_stats",
     "hadamard_forward",
     "hadamard_inverse",
@@ -646,3 +650,144 @@ def local_sum(out: np.ndarray, srcs: list[np.ndarray], dtype: int) -> None:
     _sum.add_u16(dst, views[0], views[1], True, bf16)
     for v in views[2:]:
         _sum.add_u16(dst, dst, v, False, bf16)
+
+
+class AckResult(NamedTuple):
+    """What :func:`apply_ack` found, in the order the sender passes it on.
+
+    ``idx`` are the newly acknowledged chunks (ascending); ``sizes``, ``rtt`` (first
+    transmissions only, NaN otherwise), ``paths`` and ``counted`` (bytes that leave the
+    outstanding bytes: INFLIGHT chunks only) are per acknowledged chunk, the arguments of
+    ``PathSet.on_acked``. ``n_lost``, ``n_inflight`` and ``abandoned_elems`` are what left those
+    states. ``trigger_first``: the trigger chunk is among them, as a first transmission.
+    ``path_bytes``/``path_hit``: acknowledged bytes per path, and the paths that had any.
+    ``lost``: the chunks RACK declares lost (ascending).
+    """
+
+    idx: np.ndarray
+    sizes: np.ndarray
+    rtt: np.ndarray
+    paths: np.ndarray
+    counted: np.ndarray
+    n_lost: int
+    n_inflight: int
+    abandoned_elems: int
+    trigger_first: bool
+    path_bytes: np.ndarray
+    path_hit: np.ndarray
+    lost: np.ndarray
+
+
+#: (name, dtype) of apply_ack's per-chunk arrays, in argument order, then all its dtypes.
+_ACK_ARRAYS: tuple[tuple[str, np.dtype[Any]], ...] = (
+    ("state", np.dtype(np.uint8)),
+    ("tx", np.dtype(np.uint8)),
+    ("sent_at", np.dtype(np.float64)),
+    ("path", np.dtype(np.int16)),
+    ("prio", np.dtype(np.uint8)),
+    ("counts", np.dtype(np.int64)),
+    ("lengths", np.dtype(np.int32)),
+)
+_ACK_DTYPES = (*(dt for _, dt in _ACK_ARRAYS), np.dtype(np.bool_))
+
+
+def _ack_arguments(
+    arrays: tuple[object, ...], bits: object, base: int, n_paths: int, n_classes: int
+) -> None:
+    """Raise the ValueError that says what is wrong with :func:`apply_ack`'s arguments."""
+    state = arrays[0]
+    n = state.shape[0] if isinstance(state, np.ndarray) and state.ndim == 1 else -1
+    for (name, dt), a in zip(_ACK_ARRAYS, arrays, strict=True):
+        if (
+            not isinstance(a, np.ndarray)
+            or a.dtype != dt
+            or a.ndim != 1
+            or (a.shape[0] != n and not (name == "lengths" and a.shape[0] >= n))
+        ):
+            got = f"{a.dtype.name} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise ValueError(f"{name} must be a 1-D {dt.name} array of state's length; got {got}")
+    if isinstance(state, np.ndarray) and not state.flags.writeable:
+        raise ValueError("state is read-only; apply_ack marks acknowledged chunks in it")
+    if not isinstance(bits, np.ndarray) or bits.dtype != np.bool_ or bits.ndim != 1:
+        raise ValueError("bits must be a 1-D bool array (the ACK bitmap)")
+    raise ValueError(
+        f"base={base}, n_paths={n_paths}, n_classes={n_classes}: base >= 0, "
+        "at least one path and one class"
+    )
+
+
+def apply_ack(
+    state: np.ndarray,
+    tx: np.ndarray,
+    sent_at: np.ndarray,
+    path: np.ndarray,
+    prio: np.ndarray,
+    counts: np.ndarray,
+    lengths: np.ndarray,
+    bits: np.ndarray,
+    *,
+    base: int,
+    trigger: int,
+    now: float,
+    n_paths: int,
+    n_classes: int,
+    reorder_window_s: float,
+) -> AckResult:
+    """Apply an ACK bitmap ``bits`` (bool, chunks ``base ..``) to one outgoing transfer.
+
+    The per-chunk arrays are an :class:`~transport.outgoing.OutTransfer`'s, 1-D, any strides
+    (``state`` is written: newly acknowledged chunks become ACKED; ``lengths`` may be longer
+    than the others). Returns an :class:`AckResult`; the RACK scan uses lanes of ``n_paths`` ×
+    ``n_classes`` and ``reorder_window_s``. Raises ValueError on wrong dtypes, shapes, a
+    negative ``base``, or a chunk's path or class out of range.
+    """
+    arrays = (state, tx, sent_at, path, prio, counts, lengths)
+    try:  # one cheap test per ACK; _ack_arguments says what is wrong when it fails
+        dtypes = (state.dtype, tx.dtype, sent_at.dtype, path.dtype, prio.dtype, counts.dtype)
+        ok = (*dtypes, lengths.dtype, bits.dtype) == _ACK_DTYPES and (
+            state.ndim == lengths.ndim == bits.ndim == 1
+            and state.shape == tx.shape == sent_at.shape == path.shape == prio.shape
+            and state.shape == counts.shape
+            and lengths.shape[0] >= state.shape[0]
+            and state.flags.writeable
+            and base >= 0
+            and n_paths >= 1
+            and n_classes >= 1
+        )
+    except AttributeError:
+        ok = False
+    if not ok:
+        _ack_arguments(arrays, bits, base, n_paths, n_classes)
+    idx, sizes, rtt, paths, counted, n_lost, n_inflight, abandoned, first, pbytes, hit, lost = (
+        _ack.ack_scan(
+            state,
+            tx,
+            sent_at,
+            path,
+            prio,
+            counts,
+            lengths,
+            bits,
+            base,
+            trigger,
+            float(now),
+            n_paths,
+            n_classes,
+            float(reorder_window_s),
+        )
+    )
+    # int()/bool(): already Python scalars when compiled; numpy ones under NUMBA_DISABLE_JIT.
+    return AckResult(
+        idx,
+        sizes,
+        rtt,
+        paths,
+        counted,
+        int(n_lost),
+        int(n_inflight),
+        int(abandoned),
+        bool(first),
+        pbytes,
+        hit,
+        lost,
+    )

@@ -35,7 +35,6 @@ from transport.config import TransportConfig
 from transport.events import Datagram, SenderReport
 from transport.outgoing import (
     ABANDONED,
-    ACKED,
     INFLIGHT,
     LOST,
     PENDING,
@@ -206,56 +205,56 @@ class SenderCore:
         span = self._bitmap_span(key, base, bits)
         if span is None:
             return
-        t, end = span
-        seg = slice(base, end)
-        st = t.state[seg]
-        newly = bits[: end - base] & ((st == INFLIGHT) | (st == LOST) | (st == ABANDONED))
+        t, _ = span
         if manifest:
             t.manifest_acked = True
-        if not newly.any():
+        # One compiled pass (transport._kernels_ack) finds the newly acknowledged chunks (bit set,
+        # state INFLIGHT, LOST or ABANDONED), marks them ACKED and gathers what follows, RACK's
+        # losses included: on each path, chunks sent well before the newest acknowledged one
+        # are lost; per priority class too, since classes are separate queues (our per-TOS
+        # sockets, the network's priority queues) that legitimately overtake one another.
+        r = kernels.apply_ack(
+            t.state,
+            t.tx,
+            t.sent_at,
+            t.path,
+            t.prio,
+            t.counts,
+            t.lengths,
+            bits,
+            base=base,
+            trigger=trigger,
+            now=now,
+            n_paths=self._n_paths,
+            n_classes=len(self._tos),
+            reorder_window_s=self.config.reorder_window_s,
+        )
+        if not r.idx.size:
             return
-        idx = np.flatnonzero(newly) + base
-        was = t.state[idx]
-        t.n_lost -= int(np.count_nonzero(was == LOST))
-        t.n_inflight -= int(np.count_nonzero(was == INFLIGHT))
-        t.abandoned_elems -= int(t.counts[idx[was == ABANDONED]].sum())
-        t.state[idx] = ACKED
+        t.n_lost -= r.n_lost
+        t.n_inflight -= r.n_inflight
+        t.abandoned_elems -= r.abandoned_elems
         t.rto_backoff = 1.0
         peer = key.dst
-        sizes = t.lengths[idx].astype(np.int64)
         # Every first transmission acknowledged now gives its path an RTT sample (Karn: never a
         # retransmission); it includes up to ack_delay_s, which only makes the RTO safer. The
         # congestion controller gets the clean sample of the chunk that triggered the ACK.
-        first_tx = t.tx[idx] == 1
-        rtt = np.where(first_tx, now - t.sent_at[idx], np.nan)
-        if base <= trigger < end and newly[trigger - base] and t.tx[trigger] == 1:
+        if r.trigger_first:
             clean = max(now - t.sent_at[trigger] - min(ack_delay, self.config.ack_delay_s), 1e-7)
         else:
             clean = None
-        paths = t.path[idx].astype(np.int64)
-        # Only chunks still in flight leave the path's outstanding bytes: a LOST or ABANDONED
-        # one was already taken out when it was declared lost or released.
-        counted = np.where(was == INFLIGHT, sizes, 0)
-        self.paths[peer].on_acked(paths, sizes, now, rtt, counted)
+        # Only chunks still in flight leave the path's outstanding bytes (``counted``): a LOST
+        # or ABANDONED one was already taken out when it was declared lost or released.
+        self.paths[peer].on_acked(r.paths, r.sizes, now, r.rtt, r.counted)
         if clean is not None:
             self._rtt_sample(clean)
         trig_path = int(t.path[trigger]) if clean is not None else -1
-        for q in np.unique(paths).tolist():
-            sel = paths == q
+        for q in np.flatnonzero(r.path_hit).tolist():
             self.pacers[(peer, q)].controller.on_ack(
-                now=now, acked_bytes=int(sizes[sel].sum()), rtt=clean if q == trig_path else None
+                now=now, acked_bytes=int(r.path_bytes[q]), rtt=clean if q == trig_path else None
             )
-        # RACK: on each path, chunks sent well before the newest acknowledged one are lost;
-        # per priority class too, since classes are separate queues (our per-TOS sockets, the
-        # network's priority queues) that legitimately overtake one another.
-        n_cls = len(self._tos)
-        lane = t.path.astype(np.int64) * n_cls + t.prio
-        newest = np.full(self._n_paths * n_cls, -np.inf)
-        np.maximum.at(newest, lane[idx], t.sent_at[idx])
-        limit = newest[lane] - self.config.reorder_window_s
-        lost = np.flatnonzero((t.state == INFLIGHT) & (t.sent_at < limit))
-        if lost.size:
-            self._declare_lost(t, lost, now)
+        if r.lost.size:
+            self._declare_lost(t, r.lost, now)
         if not t.outstanding() and t.abandoned_elems == 0:
             self._retire(t)
         else:

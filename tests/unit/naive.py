@@ -29,6 +29,7 @@ from transport.packet import (
 from transport.tag import TagKey
 
 __all__ = [
+    "apply_ack",
     "as_float32",
     "chunk_norms",
     "hadamard_forward",
@@ -421,3 +422,70 @@ def _interleave(weights: np.ndarray, n: int, offset: float) -> np.ndarray:
     u = np.modf(offset + _GOLDEN * np.arange(n, dtype=np.float64))[0]
     idx = np.searchsorted(cum, u, side="right")
     return np.minimum(idx, weights.shape[0] - 1).astype(np.int64)
+
+
+# -- SenderCore.on_ack's array work: the numpy formulation transport._kernels_ack must match ------
+_INFLIGHT, _LOST, _ACKED, _ABANDONED = 1, 2, 3, 4
+
+
+def apply_ack(
+    state: np.ndarray,
+    tx: np.ndarray,
+    sent_at: np.ndarray,
+    path: np.ndarray,
+    prio: np.ndarray,
+    counts: np.ndarray,
+    lengths: np.ndarray,
+    bits: np.ndarray,
+    *,
+    base: int,
+    trigger: int,
+    now: float,
+    n_paths: int,
+    n_classes: int,
+    reorder_window_s: float,
+) -> dict[str, Any]:
+    """Reference of ``kernels.apply_ack``: the whole-array numpy ``on_ack`` had (``state``
+    written in place); returns :class:`~transport.kernels.AckResult`'s fields by name."""
+    end = max(min(base + bits.shape[0], state.shape[0]), base)  # on_ack never gets base >= end
+    st = state[base:end]
+    newly = bits[: end - base] & ((st == _INFLIGHT) | (st == _LOST) | (st == _ABANDONED))
+    idx = np.flatnonzero(newly) + base
+    was = state[idx]
+    n_lost = int(np.count_nonzero(was == _LOST))
+    n_inflight = int(np.count_nonzero(was == _INFLIGHT))
+    abandoned = int(counts[idx[was == _ABANDONED]].sum())
+    state[idx] = _ACKED
+    sizes = lengths[idx].astype(np.int64)
+    first_tx = tx[idx] == 1
+    rtt = np.where(first_tx, now - sent_at[idx], np.nan)
+    trigger_first = bool(base <= trigger < end and newly[trigger - base] and tx[trigger] == 1)
+    paths = path[idx].astype(np.int64)
+    counted = np.where(was == _INFLIGHT, sizes, 0)
+    path_bytes = np.zeros(n_paths, dtype=np.int64)
+    path_hit = np.zeros(n_paths, dtype=bool)
+    for q in np.unique(paths).tolist():
+        path_bytes[q] = int(sizes[paths == q].sum())
+        path_hit[q] = True
+    lost = np.empty(0, dtype=np.int64)
+    if idx.size:
+        lane = path.astype(np.int64) * n_classes + prio
+        newest = np.full(n_paths * n_classes, -np.inf)
+        with np.errstate(invalid="ignore"):  # NaN send times (only in the tests) win
+            np.maximum.at(newest, lane[idx], sent_at[idx])
+        limit = newest[lane] - reorder_window_s
+        lost = np.flatnonzero((state == _INFLIGHT) & (sent_at < limit))
+    return {
+        "idx": idx,
+        "sizes": sizes,
+        "rtt": rtt,
+        "paths": paths,
+        "counted": counted,
+        "n_lost": n_lost,
+        "n_inflight": n_inflight,
+        "abandoned_elems": abandoned,
+        "trigger_first": trigger_first,
+        "path_bytes": path_bytes,
+        "path_hit": path_hit,
+        "lost": lost,
+    }
