@@ -439,11 +439,9 @@ class Simulation:
         queues, cbytes, maxq = self._queues, self._cbytes, self._maxq
         heap, nx, path_tx = self._heap, self._nx, self._path_tx
         nbytes = n_arr = 0
-        for data, peer, path, tos, payload in dgs:
-            if payload is not None:
-                data = b"".join((data, payload))  # noqa: PLW2901 - header + payload view
-            elif type(data) is not bytes:
-                data = bytes(data)  # noqa: PLW2901 - the buffer may be reused by the endpoint
+        for dg in dgs:
+            # Owned bytes: the endpoint may reuse its buffers, and a payload is a view.
+            data, peer, path, tos = dg.wire(), dg.peer, dg.path, dg.tos
             r = routes.get((h, peer, path))
             if r is None:
                 r = self._route(h, peer, path)

@@ -96,21 +96,13 @@ def ack_scan(
     n_inflight = 0
     abandoned = 0
     trigger_first = False
-    if n == 0:
+    lost_buf = np.empty(n_chunks if n else 0, dtype=np.int64)
+    m = 0
+    if n == 0:  # nothing newly acknowledged: nothing written, no RACK scan
         return (
-            idx,
-            sizes,
-            rtt,
-            paths,
-            counted,
-            n_lost,
-            n_inflight,
-            abandoned,
-            trigger_first,
-            path_bytes,
-            path_hit,
-            np.empty(0, dtype=np.int64),
-        )
+            idx, sizes, rtt, paths, counted, n_lost, n_inflight, abandoned, trigger_first,
+            path_bytes, path_hit, lost_buf,
+        )  # fmt: skip
     for i in range(n_chunks):  # every lane is checked first, as numpy's indexing would
         q = np.int64(path[i])
         c = np.int64(prio[i])
@@ -150,8 +142,6 @@ def ack_scan(
         if not math.isnan(cur) and (math.isnan(v) or v > cur):
             newest[lane] = v
         k += 1
-    lost_buf = np.empty(n_chunks, dtype=np.int64)
-    m = 0
     for i in range(n_chunks):
         if state[i] == INFLIGHT:
             lane = np.int64(path[i]) * n_classes + np.int64(prio[i])
@@ -159,16 +149,6 @@ def ack_scan(
                 lost_buf[m] = i
                 m += 1
     return (
-        idx,
-        sizes,
-        rtt,
-        paths,
-        counted,
-        n_lost,
-        n_inflight,
-        abandoned,
-        trigger_first,
-        path_bytes,
-        path_hit,
-        lost_buf[:m],
-    )
+        idx, sizes, rtt, paths, counted, n_lost, n_inflight, abandoned, trigger_first,
+        path_bytes, path_hit, lost_buf[:m],
+    )  # fmt: skip

@@ -447,19 +447,26 @@ class TransposeAllReduce:
         self._events.append(AllReduceFailed(ev.step, ev.bucket, ev.error))
 
 
-_warm = False
+_warm: set[str] = set()  # what this process has compiled already
 
 
-def warm_up() -> None:
+def warm_up(*, keyed: bool = False) -> None:
     """Compile (or load from numba's cache) every kernel an all-reduce uses, off the clock.
 
     Drivers call it before their first collective: numba compiles lazily, and a first compile
     inside a collective (seconds on a cold cache) would count against its deadlines. Runs a tiny
-    two-rank all-reduce in memory for each wire dtype; once per process.
+    two-rank all-reduce in memory for each wire dtype, once per process; ``keyed`` (a job with a
+    secret) also compiles the SipHash header writer, which only such jobs use.
     """
-    global _warm  # noqa: PLW0603 (a process-wide "done once" flag)
-    if _warm:
-        return
+    if "all-reduce" not in _warm:
+        _warm_all_reduce()
+        _warm.add("all-reduce")
+    if keyed and "siphash" not in _warm:
+        _warm_siphash_headers()
+        _warm.add("siphash")
+
+
+def _warm_all_reduce() -> None:
     cfg = TransportConfig(chunk_bytes=256, rotate=True, rotate_block=64)
     for dtype, data in (
         (None, np.linspace(-1.0, 1.0, 300, dtype=np.float32)),
@@ -478,8 +485,11 @@ def warm_up() -> None:
                     done += isinstance(ev, AllReduceComplete | AllReduceFailed)
             if done == 2:
                 break
-        assert done == 2, "warm-up all-reduce did not complete"
-    # A job with a secret tags with SipHash: compile that header kernel too.
+        if done != 2:  # a bug in the core: say so at start-up, not at the first collective
+            raise RuntimeError(f"the warm-up all-reduce ({dtype or data.dtype}) did not complete")
+
+
+def _warm_siphash_headers() -> None:
     x = np.ones(8, dtype=np.float32)
     stats = kernels.chunk_stats(x, dtype=DType.F32, chunk_elems=4)
     kernels.write_headers(
@@ -493,4 +503,3 @@ def warm_up() -> None:
         prio=np.zeros(2, dtype=np.uint8),
         flags=np.zeros(2, dtype=np.uint8),
     )
-    _warm = True

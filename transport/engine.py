@@ -127,7 +127,8 @@ class Engine:
             raise RuntimeError("engine already started")
         if self._closed:
             raise RuntimeError("engine is closed")
-        warm_up()  # compile the kernels now, not inside the first collective's deadlines
+        # Compile the kernels now, not inside the first collective's deadlines.
+        warm_up(keyed=bool(self.config.secret))
         loop = self._loop = new_event_loop()
         self._thread = threading.Thread(
             target=self._run, args=(loop,), name=f"gradlane-engine-r{self.me}", daemon=True

@@ -46,10 +46,6 @@ class Datagram(NamedTuple):
             return bytes(self.data)
         return b"".join((self.data, self.payload))
 
-    def nbytes(self) -> int:
-        """The packet's length on the wire (UDP payload bytes)."""
-        return len(self.data) + (0 if self.payload is None else len(self.payload))
-
 
 @dataclass(frozen=True)
 class LossReport:

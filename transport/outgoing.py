@@ -165,13 +165,16 @@ class OutTransfer:
         self.gather = gather
 
     # -- payload -------------------------------------------------------------------------------
-    def datagram_parts(self, c: int) -> tuple[memoryview, memoryview]:
-        """Chunk ``c``'s header and payload (one datagram when sent together)."""
-        a = c * self.chunk_bytes
-        return (
-            self.hdr_view[c * HEADER_SIZE : (c + 1) * HEADER_SIZE],
-            self.payload[a : a + int(self.lengths[c]) - HEADER_SIZE],
-        )
+    def datagram_parts(self, chunks: np.ndarray) -> list[tuple[memoryview, memoryview]]:
+        """Header and payload views of each chunk in ``chunks`` (one datagram each, when sent
+        together); sliced in one loop, since the sender calls this per batch on its hot path."""
+        hdr, pay = self.hdr_view, self.payload
+        starts = chunks.astype(np.int64) * self.chunk_bytes
+        ends = starts + self.lengths[chunks] - HEADER_SIZE
+        return [
+            (hdr[c * HEADER_SIZE : (c + 1) * HEADER_SIZE], pay[a:b])
+            for c, a, b in zip(chunks.tolist(), starts.tolist(), ends.tolist(), strict=True)
+        ]
 
     def release_source(self) -> None:
         """Stop reading the caller's buffer: copy out every payload that may still be sent —

@@ -41,7 +41,7 @@ from transport.outgoing import (
     OutKey,
     OutTransfer,
 )
-from transport.packet import HEADER_SIZE, Kind
+from transport.packet import Kind
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
@@ -557,14 +557,9 @@ class SenderCore:
         st.bytes_sent += total
         st.path_bytes += np.asarray(per_path, dtype=np.int64)[: st.path_bytes.shape[0]]
         # One datagram per chunk: its header row and a view of its payload (never copied).
-        tos, hdr, pay = self._tos[cls], t.hdr_view, t.payload
-        starts = chunks * t.chunk_bytes
-        ends = starts + sizes - HEADER_SIZE
-        for c, q, a, b in zip(
-            chunks.tolist(), paths.tolist(), starts.tolist(), ends.tolist(), strict=True
-        ):
-            h = c * HEADER_SIZE
-            out.append(Datagram(hdr[h : h + HEADER_SIZE], peer, q, tos, pay[a:b]))
+        tos = self._tos[cls]
+        for (hdr, payload), q in zip(t.datagram_parts(chunks), paths.tolist(), strict=True):
+            out.append(Datagram(hdr, peer, q, tos, payload))
         return fit, fit + skipped, total
 
     def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:

@@ -28,8 +28,8 @@ copy and two Python calls per datagram — up to ``READ_BURST`` datagrams per wa
 burst, so acknowledgements are processed (and sent) promptly while it is also sending at full
 speed.
 
-Socket buffers are set to ``bufsize`` (16 MiB by default); Linux caps them at
-``net.core.rmem_max`` / ``wmem_max`` unless the process may use SO_RCVBUFFORCE (root or
+Socket buffers are set to ``bufsize`` (``TransportConfig.socket_buffer_bytes``); Linux caps them
+at ``net.core.rmem_max`` / ``wmem_max`` unless the process may use SO_RCVBUFFORCE (root or
 CAP_NET_ADMIN), which is tried next; when the buffer is still capped one log line says so,
 because a capped receive buffer is the first cause of loss at line rate.
 """
@@ -49,12 +49,10 @@ from transport.errors import ConfigError
 from transport.events import Datagram
 from transport.rendezvous import Address
 
-__all__ = ["DEFAULT_BUFSIZE", "UdpCounters", "UdpPaths", "new_event_loop"]
+__all__ = ["UdpCounters", "UdpPaths", "new_event_loop"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUFSIZE = 16 << 20
-"""Requested SO_RCVBUF / SO_SNDBUF (bytes)."""
 READ_BURST = 64
 """Most datagrams read from one socket per wakeup (then the driver runs: ACKs go out)."""
 _MSG_TRUNC = getattr(socket, "MSG_TRUNC", 0)
@@ -130,7 +128,7 @@ class UdpPaths:
         on_datagram: Callable[[int, int, float], None],
         on_readable: Callable[[], None],
         *,
-        bufsize: int = DEFAULT_BUFSIZE,
+        bufsize: int,
     ) -> None:
         self._rx_buffer = rx_buffer
         self._on_datagram = on_datagram

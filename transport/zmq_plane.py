@@ -171,7 +171,8 @@ class ZmqDataPlane:
             raise TransferFailed(f"rank {self.me}: the ZeroMQ data plane is closed")
         if self._thread is not None:
             return self
-        warm_up()  # compile the kernels now, not inside the first collective's deadlines
+        # Compile the kernels now, not inside the first collective's deadlines.
+        warm_up(keyed=bool(self.config.secret))
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
         self._ctx = ctx
         made: list[zmq.Socket[bytes]] = []
