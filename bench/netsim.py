@@ -78,7 +78,7 @@ from bench.netsim_cross import stream as _stream
 from bench.netsim_network import DEFAULT_DSCP_CLASSES, CrossTraffic, LinkSpec, Network, Router
 from bench.netsim_topology import GBPS, dumbbell, leafspine, pair, star
 from scheduling.errors import ConfigError, GradlaneError
-from transport.events import Datagram, Endpoint, Event
+from transport.events import Datagram, DatagramRun, Endpoint, Event, flat
 
 __all__ = [
     "DEFAULT_DSCP_CLASSES",
@@ -432,14 +432,14 @@ class Simulation:
                 self.on_event(h, ev, now)
             ev = ep.next_event()
 
-    def _inject(self, h: int, dgs: Sequence[Datagram], now: float) -> None:
+    def _inject(self, h: int, dgs: Sequence[Datagram | DatagramRun], now: float) -> None:
         """Put host ``h``'s datagrams on its uplink at ``now`` (no heap event per datagram)."""
         routes, tcls, ov = self._routes, self._tos_class, self._overhead
         busy, qbytes, qlim, prio = self._busy, self._qbytes, self._qlim, self._prio
         queues, cbytes, maxq = self._queues, self._cbytes, self._maxq
         heap, nx, path_tx = self._heap, self._nx, self._path_tx
         nbytes = n_arr = 0
-        for dg in dgs:
+        for dg in flat(dgs):
             # Owned bytes: the endpoint may reuse its buffers, and a payload is a view.
             data, peer, path, tos = dg.wire(), dg.peer, dg.path, dg.tos
             r = routes.get((h, peer, path))

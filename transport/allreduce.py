@@ -33,10 +33,12 @@ from transport.events import (
     AllReduceFailed,
     CollectiveReport,
     Datagram,
+    DatagramRun,
     Event,
     LossReport,
     PeerTimedOut,
     TransferComplete,
+    flat,
 )
 from transport.packet import HEADER_SIZE, DType, Header, Kind, Phase, TransferSpec, chunk_counts
 from transport.receiver import InKey
@@ -334,7 +336,7 @@ class TransposeAllReduce:
         """Commit a datagram received into :meth:`rx_buffer` (see :class:`Endpoint`)."""
         self.endpoint.commit_datagram(nbytes, path, now)
 
-    def datagrams_to_send(self, now: float) -> list[Datagram]:
+    def datagrams_to_send(self, now: float) -> list[Datagram | DatagramRun]:
         """Datagrams to send now (see :class:`Endpoint`)."""
         self._pump(now)
         return self.endpoint.datagrams_to_send(now)
@@ -479,7 +481,7 @@ def _warm_all_reduce() -> None:
         done = 0
         for _ in range(10_000):  # a few dozen exchanges finish it; the bound only guards a bug
             for r in ranks:
-                for dg in r.datagrams_to_send(0.0):
+                for dg in flat(r.datagrams_to_send(0.0)):
                     ranks[dg.peer].receive_datagram(dg.wire(), dg.path, 0.0)
                 while (ev := r.next_event()) is not None:
                     done += isinstance(ev, AllReduceComplete | AllReduceFailed)

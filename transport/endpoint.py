@@ -20,7 +20,7 @@ from scheduling.loss import LossPolicy
 from scheduling.pacing import Pacer
 from scheduling.priority import make_priority_policy
 from transport.config import TransportConfig
-from transport.events import Datagram, Event
+from transport.events import Datagram, DatagramRun, Event
 from transport.packet import (
     HEADER_SIZE,
     MAGIC,
@@ -34,6 +34,7 @@ from transport.packet import (
     encode,
     header_view,
     validate,
+    validate_data_rows,
 )
 from transport.receiver import InKey, ReceiverCore
 from transport.sender import OutKey, SenderCore
@@ -54,6 +55,7 @@ _TRUNCATED, _BAD_MAGIC, _BAD_VERSION = (
     int(Reason.BAD_VERSION),
 )
 _BAD_KIND, _FOREIGN_JOB = int(Reason.BAD_KIND), int(Reason.FOREIGN_JOB)
+_OVERSIZED = int(Reason.OVERSIZED)
 
 
 class Endpoint:
@@ -145,12 +147,44 @@ class Endpoint:
         if self._rx_n == RX_BATCH:
             self._flush(now)
 
-    def datagrams_to_send(self, now: float) -> list[Datagram]:
+    @property
+    def rx_arena(self) -> np.ndarray:
+        """The receive arena (one datagram per row, ``slot_bytes`` wide), for drivers that fill
+        several rows with one system call (``recvmmsg``); the free rows are
+        ``rx_arena[rx_free:]``. Fill some of them from the first, then :meth:`commit_datagrams`.
+        """
+        return self._rx
+
+    @property
+    def rx_free(self) -> int:
+        """The first free row of :attr:`rx_arena`."""
+        return self._rx_n
+
+    def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
+        """The ``len(lengths)`` datagrams just written into rows ``rx_free, rx_free + 1, ...``
+        of :attr:`rx_arena`, all from ``path``, have these real lengths (longer than a row:
+        truncated, counted as oversized). At most ``len(rx_arena) - rx_free`` of them."""
+        k = int(lengths.shape[0])
+        if k == 0:
+            return
+        self._now = now
+        i = self._rx_n
+        if i + k > self._rx.shape[0]:
+            raise ValueError(f"{k} datagrams committed with {self._rx.shape[0] - i} rows free")
+        self._rx_len[i : i + k] = lengths
+        self._rx_path[i : i + k] = path
+        self._rx_n = i + k
+        if i == 0:
+            self._rx_first = now
+        if self._rx_n == RX_BATCH:
+            self._flush(now)
+
+    def datagrams_to_send(self, now: float) -> list[Datagram | DatagramRun]:
         """Receiver control (ACK/NACK/STOP), probe answers, then sender output."""
         self._now = now
         if now >= self._rx_first + self.config.rx_coalesce_s:
             self._flush(now)
-        out = self.receiver.datagrams_to_send(now)
+        out: list[Datagram | DatagramRun] = list(self.receiver.datagrams_to_send(now))
         if self._control:
             out.extend(self._control)
             self._control = []
@@ -275,6 +309,7 @@ class Endpoint:
         # Vectorised framing checks, in validate()'s order; the first failure wins.
         kind = hv["kind"]
         checks = (
+            (lengths > arena.shape[1], _OVERSIZED),
             (lengths < HEADER_SIZE, _TRUNCATED),
             (hv["magic"] != MAGIC, _BAD_MAGIC),
             (hv["version"] != VERSION, _BAD_VERSION),
@@ -327,18 +362,24 @@ class Endpoint:
             if t is not None:
                 self.receiver.on_data(t, arena, lengths, grp, paths, now, self.session)
                 continue
-            # Data for a transfer not running here is held (or answered with STOP). Without a
-            # secret its tag is a checksum, which the receive kernel checks when held data is
-            # replayed: not computing it here saves a slow pass over each early 64 KB packet.
-            # With a secret, nothing unauthenticated is held or answered.
-            keyed = self.key.mode != TAG_FAST
-            for i in grp.tolist():
-                raw = arena[i, : lengths[i]].tobytes()
-                why = validate(raw, self.session, tag=keyed)
-                if why != Reason.OK:
-                    self.counters[why] += 1
-                    continue
-                self.receiver.on_unknown_data(key, int(hv["src"][i]), int(hv["chunk"][i]), raw, now)
+            # Data for a transfer not running here is held (or answered with STOP), checked as a
+            # batch. Without a secret its tag is a checksum, which the receive kernel checks
+            # when held data is replayed: not computing it here saves a slow pass over each
+            # early 64 KB packet. With a secret, nothing unauthenticated is held or answered.
+            why = validate_data_rows(hv[grp], lengths[grp], self.session)
+            if self.key.mode != TAG_FAST:
+                for j, i in enumerate(grp.tolist()):
+                    if why[j] == Reason.OK:
+                        why[j] = validate(arena[i, : lengths[i]], self.session)
+            bad = why != Reason.OK
+            held = grp
+            if bad.any():
+                self.counters += np.bincount(why[bad], minlength=N_REASONS)[:N_REASONS]
+                held = grp[~bad]
+            if held.size:
+                self.receiver.on_unknown_data(
+                    key, arena, lengths, paths, held, hv["src"][held], now
+                )
 
     # -- control handlers (dispatch table) -----------------------------------------------------
     @staticmethod

@@ -6,6 +6,7 @@ with ``next_event()`` (STYLE rule 6). Only the engine turns events into Futures.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -18,11 +19,13 @@ __all__ = [
     "AllReduceFailed",
     "CollectiveReport",
     "Datagram",
+    "DatagramRun",
     "Endpoint",
     "Event",
     "LossReport",
     "PeerTimedOut",
     "TransferComplete",
+    "flat",
 ]
 
 
@@ -45,6 +48,75 @@ class Datagram(NamedTuple):
         if self.payload is None:
             return bytes(self.data)
         return b"".join((self.data, self.payload))
+
+
+class DatagramRun:
+    """DATA datagrams of one transfer, sent together, as arrays (the sender's hot-path form).
+
+    Datagram ``i`` is header row ``chunks[i]`` of ``hdr`` (rows of ``header_bytes``) followed
+    by ``payload[starts[i] : starts[i] + sizes[i]]``, for rank ``peer`` on path ``paths[i]``
+    with IP TOS ``tos``. A socket driver hands the whole run to the kernel at once (Linux
+    ``sendmmsg``: one system call and no Python per datagram); everything else iterates it,
+    which yields the same datagrams as :class:`Datagram` tuples (views, no copies). The arrays
+    and buffers are only read, and only until the driver returns.
+    """
+
+    __slots__ = (
+        "chunks",
+        "hdr",
+        "header_bytes",
+        "paths",
+        "payload",
+        "peer",
+        "sizes",
+        "starts",
+        "tos",
+    )
+
+    def __init__(
+        self,
+        hdr: memoryview,
+        header_bytes: int,
+        payload: memoryview,
+        chunks: np.ndarray,
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        peer: int,
+        paths: np.ndarray,
+        tos: int,
+    ) -> None:
+        self.hdr = hdr
+        self.header_bytes = header_bytes
+        self.payload = payload
+        self.chunks = chunks
+        self.starts = starts
+        self.sizes = sizes
+        self.peer = peer
+        self.paths = paths
+        self.tos = tos
+
+    def __len__(self) -> int:
+        return int(self.chunks.shape[0])
+
+    def __iter__(self) -> Iterator[Datagram]:
+        hdr, pay, hb, peer, tos = self.hdr, self.payload, self.header_bytes, self.peer, self.tos
+        for c, a, n, q in zip(
+            self.chunks.tolist(),
+            self.starts.tolist(),
+            self.sizes.tolist(),
+            self.paths.tolist(),
+            strict=True,
+        ):
+            yield Datagram(hdr[c * hb : (c + 1) * hb], peer, q, tos, pay[a : a + n])
+
+
+def flat(out: Iterable[Datagram | DatagramRun]) -> Iterator[Datagram]:
+    """Every datagram of a core's output, runs unrolled (for drivers that send one at a time)."""
+    for item in out:
+        if isinstance(item, DatagramRun):
+            yield from item
+        else:
+            yield item
 
 
 @dataclass(frozen=True)
@@ -163,7 +235,7 @@ class Endpoint(Protocol):
     def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
         """Feed one datagram that arrived on local path ``path`` at time ``now``."""
 
-    def datagrams_to_send(self, now: float) -> list[Datagram]:
+    def datagrams_to_send(self, now: float) -> list[Datagram | DatagramRun]:
         """Datagrams that may be sent now (pacing already applied)."""
 
     def get_timer(self) -> float | None:

@@ -40,6 +40,7 @@ from scheduling.loss import LossPolicy
 from scheduling.priority import PriorityPolicy, send_order_key
 from transport import kernels
 from transport.config import TransportConfig
+from transport.events import DatagramRun
 from transport.packet import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Phase, chunk_counts
 
 __all__ = [
@@ -165,16 +166,21 @@ class OutTransfer:
         self.gather = gather
 
     # -- payload -------------------------------------------------------------------------------
-    def datagram_parts(self, chunks: np.ndarray) -> list[tuple[memoryview, memoryview]]:
-        """Header and payload views of each chunk in ``chunks`` (one datagram each, when sent
-        together); sliced in one loop, since the sender calls this per batch on its hot path."""
-        hdr, pay = self.hdr_view, self.payload
-        starts = chunks.astype(np.int64) * self.chunk_bytes
-        ends = starts + self.lengths[chunks] - HEADER_SIZE
-        return [
-            (hdr[c * HEADER_SIZE : (c + 1) * HEADER_SIZE], pay[a:b])
-            for c, a, b in zip(chunks.tolist(), starts.tolist(), ends.tolist(), strict=True)
-        ]
+    def run(self, chunks: np.ndarray, paths: np.ndarray, tos: int) -> DatagramRun:
+        """The datagrams of ``chunks`` (one each), on ``paths`` with IP TOS ``tos``, as one run:
+        header rows and views of the payload, never copied (the sender's hot path)."""
+        chunks = chunks.astype(np.int64, copy=False)
+        return DatagramRun(
+            self.hdr_view,
+            HEADER_SIZE,
+            self.payload,
+            chunks,
+            chunks * self.chunk_bytes,
+            self.lengths[chunks].astype(np.int64) - HEADER_SIZE,
+            self.key.dst,
+            paths,
+            tos,
+        )
 
     def release_source(self) -> None:
         """Stop reading the caller's buffer: copy out every payload that may still be sent —

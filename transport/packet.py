@@ -40,6 +40,8 @@ claims before a byte is written anywhere.
 
 from __future__ import annotations
 
+import operator
+import struct
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, IntFlag
 
@@ -198,18 +200,31 @@ class Header:
 
 
 _FIELDS = HEADER_DTYPE.names or ()
+#: HEADER_DTYPE as a ``struct`` layout (contiguous, little-endian; checked below): encoding a
+#: control packet is then one ``pack_into`` rather than a NumPy assignment per field.
+_HEADER_STRUCT = struct.Struct(
+    "<"
+    + "".join(
+        {"u1": "B", "u2": "H", "u4": "I", "u8": "Q", "f4": "f"}[f"{dt.kind}{dt.itemsize}"]
+        for dt in (HEADER_DTYPE[n] for n in _FIELDS)
+    )
+)
+assert _HEADER_STRUCT.size == HEADER_SIZE and _FIELDS[-1] == "tag"
+_header_values = operator.attrgetter(*_FIELDS[:-1])
 
 
 def encode(header: Header, payload: bytes | np.ndarray = b"", key: TagKey | None = None) -> bytes:
     """Serialise ``header`` and ``payload``; the tag is computed here (``header.tag`` ignored)."""
-    raw = np.zeros(1, dtype=HEADER_DTYPE)
-    for name in _FIELDS:
-        raw[name] = getattr(header, name)
     body = payload.tobytes() if isinstance(payload, np.ndarray) else bytes(payload)
-    buf = np.frombuffer(raw.tobytes() + body, dtype=np.uint8).copy()
+    buf = bytearray(HEADER_SIZE + len(body))
+    try:
+        _HEADER_STRUCT.pack_into(buf, 0, *_header_values(header), 0)
+    except struct.error as e:  # a field out of its range: as NumPy's assignment would say
+        raise OverflowError(f"header field out of range: {e}") from e
+    buf[HEADER_SIZE:] = body
     tag = packet_tag(buf, key or TagKey())
-    buf[TAG_OFFSET:HEADER_SIZE] = np.frombuffer(tag.to_bytes(8, "little"), dtype=np.uint8)
-    return buf.tobytes()
+    buf[TAG_OFFSET:HEADER_SIZE] = tag.to_bytes(8, "little")
+    return bytes(buf)
 
 
 def decode_header(data: bytes | bytearray | memoryview | np.ndarray) -> Header:
@@ -372,6 +387,31 @@ def validate(
         if int(h["count"]) != payload_elems_for(transfer.n_elems, transfer.chunk_elems, chunk):
             return Reason.COUNT_MISMATCH
     return Reason.OK
+
+
+def validate_data_rows(hv: np.ndarray, lengths: np.ndarray, session: SessionSpec) -> np.ndarray:
+    """:func:`validate`'s session-level checks (those after the tag) for DATA packets, over a
+    batch: ``hv`` their header records (:func:`header_view` rows), ``lengths`` their lengths.
+
+    Returns each packet's first failing reason as an int64 array (``Reason.OK``: none). For
+    rows the framing checks (length, magic, version, kind, job) already passed; the tag is the
+    caller's (the receive kernels check it before a packet is used).
+    """
+    reason = np.zeros(hv.shape[0], dtype=np.int64)
+    step, dt = hv["step"], hv["dtype"].astype(np.int64)
+    itemsize = np.asarray(ITEMSIZE, dtype=np.int64)[np.minimum(dt, len(ITEMSIZE) - 1)]
+    checks = (
+        ((step < session.step_lo) | (step > session.step_hi), Reason.STALE_STEP),
+        (hv["bucket"] >= session.n_buckets, Reason.BAD_BUCKET),
+        (hv["phase"] > Phase.PULL, Reason.BAD_PHASE),
+        ((hv["src"] >= session.world) | (hv["dst"] != session.me), Reason.BAD_RANK),
+        (hv["shard"] >= max(session.world, 1), Reason.BAD_SHARD),
+        (dt > DType.BF16, Reason.BAD_DTYPE),
+        (hv["count"].astype(np.int64) * itemsize != lengths - HEADER_SIZE, Reason.COUNT_MISMATCH),
+    )
+    for bad, why in reversed(checks):  # the first failure wins, as in validate()
+        reason[bad] = int(why)
+    return reason
 
 
 #: Kinds whose payload is a bitmap of ``count`` bits (the kernels derive their check from it).

@@ -153,7 +153,8 @@ class ReceiverCore:
         self.tos = control_tos
         self.transfers: dict[InKey, InTransfer] = {}
         self.tombstones: dict[InKey, float] = {}
-        self.early: dict[InKey, dict[tuple[int, int], bytes]] = {}
+        # Held early DATA per transfer: blocks of arena rows, with their lengths and paths.
+        self.early: dict[InKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.early_control: dict[InKey, list[tuple[bytes, int]]] = {}
         self.early_bytes = 0
         self.counters = np.zeros(N_REASONS, dtype=np.int64)
@@ -180,26 +181,15 @@ class ReceiverCore:
         t = InTransfer(key, spec, senders, target, contrib, received, now)
         self.transfers[key] = t
         self._refresh_check(t)
-        held = self.early.pop(key, None)
-        if held:
-            self.early_bytes -= sum(len(b) for b in held.values())
-            self._replay(t, list(held.values()), now, session)
+        for block, lengths, paths in self.early.pop(key, []):
+            self.early_bytes -= int(lengths.sum())
+            if not t.done:  # the kernel checks every held packet (tag included) as it lands
+                rows = np.arange(lengths.shape[0])
+                self.on_data(t, block, lengths, rows, paths, now, session)
         for data, path in self.early_control.pop(key, []):
             self.on_control(data, path, now, t_hint=t)
         self._check(t, now)
         return t
-
-    def _replay(
-        self, t: InTransfer, packets: list[bytes], now: float, session: SessionSpec
-    ) -> None:
-        slot = self.config.slot_bytes
-        arena = np.empty((len(packets), slot), dtype=np.uint8)  # rows are read to their length
-        lengths = np.zeros(len(packets), dtype=np.int32)
-        paths = np.zeros(len(packets), dtype=np.int64)
-        for i, b in enumerate(packets):
-            arena[i, : len(b)] = np.frombuffer(b, dtype=np.uint8)
-            lengths[i] = len(b)
-        self.on_data(t, arena, lengths, np.arange(len(packets)), paths, now, session)
 
     # -- input --------------------------------------------------------------------------------
     def on_data(
@@ -316,19 +306,34 @@ class ReceiverCore:
             t.fin[r] = True
             self._check(t, now)
 
-    def on_unknown_data(self, key: InKey, src: int, chunk: int, data: bytes, now: float) -> None:
-        """DATA (validated at session level) for a transfer that is not running here."""
+    def on_unknown_data(
+        self,
+        key: InKey,
+        arena: np.ndarray,
+        lengths: np.ndarray,
+        paths: np.ndarray,
+        rows: np.ndarray,
+        srcs: np.ndarray,
+        now: float,
+    ) -> None:
+        """DATA rows of ``arena`` (validated at session level; ``srcs`` their senders) for a
+        transfer that is not running here: held (copied, as one block) within
+        ``early_buffer_bytes`` until it starts, or answered with STOP when it has ended."""
         if key in self.tombstones:
-            self.late += 1
-            self._stop_late(key, src, now)
+            self.late += int(rows.shape[0])
+            for src in np.unique(srcs).tolist():
+                self._stop_late(key, int(src), now)
             return
-        if self.early_bytes + len(data) > self.config.early_buffer_bytes:
-            self.early_dropped += 1
-            return
-        held = self.early.setdefault(key, {})
-        if (src, chunk) not in held:
-            held[(src, chunk)] = data
-            self.early_bytes += len(data)
+        sizes = lengths[rows]
+        room = self.config.early_buffer_bytes - self.early_bytes
+        fit = np.cumsum(sizes) <= room
+        if not fit.all():
+            self.early_dropped += int(np.count_nonzero(~fit))
+            rows, sizes = rows[fit], sizes[fit]
+            if not rows.size:
+                return
+        self.early.setdefault(key, []).append((arena[rows], sizes, paths[rows]))
+        self.early_bytes += int(sizes.sum())
 
     def _stop_late(self, key: InKey, src: int, now: float) -> None:
         """Answer a sender still talking about a finished transfer with STOP (rate-limited)."""

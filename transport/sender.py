@@ -32,7 +32,7 @@ from scheduling.paths import PathSet
 from scheduling.priority import PriorityPolicy
 from transport import kernels
 from transport.config import TransportConfig
-from transport.events import Datagram, SenderReport
+from transport.events import Datagram, DatagramRun, SenderReport
 from transport.outgoing import (
     ABANDONED,
     INFLIGHT,
@@ -309,10 +309,10 @@ class SenderCore:
             self.paths[peer].on_probe_ack(path, now, now - sent[1])
 
     # -- output ------------------------------------------------------------------------------
-    def datagrams_to_send(self, now: float) -> list[Datagram]:
+    def datagrams_to_send(self, now: float) -> list[Datagram | DatagramRun]:
         """Control packets first, then data in global priority order within pacing limits."""
         self._now = now
-        out = self._control
+        out: list[Datagram | DatagramRun] = list(self._control)
         self._control = []
         self._pace_at = np.inf
         if not self._sendable:
@@ -499,7 +499,7 @@ class SenderCore:
         now: float,
         avail: int,
         budget: int,
-        out: list[Datagram],
+        out: list[Datagram | DatagramRun],
     ) -> tuple[int, int, int]:
         """Send up to ``budget`` chunks of class ``cls`` from ``t`` within the peer's allowance.
 
@@ -556,10 +556,9 @@ class SenderCore:
         total = int(sizes.sum())
         st.bytes_sent += total
         st.path_bytes += np.asarray(per_path, dtype=np.int64)[: st.path_bytes.shape[0]]
-        # One datagram per chunk: its header row and a view of its payload (never copied).
-        tos = self._tos[cls]
-        for (hdr, payload), q in zip(t.datagram_parts(chunks), paths.tolist(), strict=True):
-            out.append(Datagram(hdr, peer, q, tos, payload))
+        # One datagram per chunk (its header row and a view of its payload, never copied), as
+        # one run: a socket driver sends it with one system call and no Python per datagram.
+        out.append(t.run(chunks, paths, self._tos[cls]))
         return fit, fit + skipped, total
 
     def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:

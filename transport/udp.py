@@ -19,11 +19,18 @@ When the socket's buffer is full (the kernel answers EAGAIN) the two parts are j
 one ``bytes`` and handed to the transport, which queues it until the socket is writable: the
 queued copy no longer depends on the sender's buffer.
 
-Receiving skips asyncio's datagram protocol: a reader callback on each receive socket calls
-``recv_into`` straight into the driver's receive arena (``rx_buffer()``, then
-``on_datagram(nbytes, path, now)``, with one clock reading per burst) — no ``bytes`` object, no
-copy and two Python calls per datagram — up to ``READ_BURST`` datagrams per wakeup, then
-``on_readable()`` once, so the driver processes and answers the whole batch together.
+The sender hands out a run of DATA datagrams (:class:`DatagramRun`: header rows and payload
+offsets as arrays); on Linux the run goes out with one ``sendmmsg`` per path (``_mmsg``): no
+Python and no system call per datagram. What the kernel refuses with EAGAIN mid-run is queued
+as copies on the transport, as above; a refused datagram (an ICMP error) is counted and skipped.
+
+Receiving skips asyncio's datagram protocol: a reader callback on each receive socket reads
+straight into the driver's receive arena, up to ``READ_BURST`` datagrams per wakeup, with one
+clock reading per burst, then calls ``on_readable()`` once, so the driver processes and answers
+the whole batch together. On Linux, with an ``arena`` (the endpoint), one ``recvmmsg`` fills
+many arena rows and ``commit_datagrams`` takes their lengths at once; elsewhere ``recv_into``
+fills ``rx_buffer()`` and ``on_datagram(nbytes, path, now)`` commits it, one at a time — no
+``bytes`` object and no copy either way.
 :meth:`UdpPaths.poll` does the same on demand: the engine drains its sockets before each send
 burst, so acknowledgements are processed (and sent) promptly while it is also sending at full
 speed.
@@ -44,9 +51,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
+
+from transport import _mmsg
 from transport.errors import ConfigError
-from transport.events import Datagram
+from transport.events import Datagram, DatagramRun
 from transport.rendezvous import Address
 
 __all__ = ["UdpCounters", "UdpPaths", "new_event_loop"]
@@ -89,8 +100,23 @@ class UdpCounters:
     """Datagrams whose TOS had no socket of its own (sent on the path's main socket)."""
 
 
-#: How a (peer, path, tos) is sent: transport, its socket, destination, 1 if a TOS fallback.
-_Route = tuple[asyncio.DatagramTransport, socket.socket, Address, int]
+#: How a (peer, path, tos) is sent: transport, its socket, destination, 1 if a TOS fallback,
+#: and the destination as a ``struct sockaddr`` for ``sendmmsg`` (None: send one at a time).
+_Route = tuple[asyncio.DatagramTransport, socket.socket, Address, int, np.ndarray | None]
+_AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+class RxArena(Protocol):
+    """A receive arena a driver fills several rows of per system call (``recvmmsg``): see
+    :class:`transport.endpoint.Endpoint`'s ``rx_arena``, ``rx_free`` and ``commit_datagrams``."""
+
+    @property
+    def rx_arena(self) -> np.ndarray: ...
+
+    @property
+    def rx_free(self) -> int: ...
+
+    def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None: ...
 
 
 class _SendProtocol(asyncio.DatagramProtocol):
@@ -119,7 +145,9 @@ class UdpPaths:
     ``rx_buffer()`` returns the writable buffer the next datagram is received into;
     ``on_datagram(nbytes, path, now)`` commits it (``nbytes`` is the datagram's real length,
     which exceeds the buffer's when it was truncated; ``now`` is ``time.monotonic()`` read once
-    per burst); ``on_readable()`` is called once per read wakeup, after its datagrams.
+    per burst); ``on_readable()`` is called once per read wakeup, after its datagrams. With an
+    ``arena`` (and Linux's batched calls available) datagrams are instead received many per
+    system call straight into its rows, and committed together.
     """
 
     def __init__(
@@ -129,11 +157,15 @@ class UdpPaths:
         on_readable: Callable[[], None],
         *,
         bufsize: int,
+        arena: RxArena | None = None,
     ) -> None:
         self._rx_buffer = rx_buffer
         self._on_datagram = on_datagram
         self._on_readable = on_readable
         self._bufsize = bufsize
+        self._arena = arena if _mmsg.AVAILABLE else None
+        self._rx_table: _mmsg.RecvTable | None = None
+        self._tx_table = _mmsg.SendTable() if _mmsg.AVAILABLE else None
         self.counters = UdpCounters()
         self._transports: list[asyncio.DatagramTransport] = []
         self._protocols: list[_SendProtocol] = []
@@ -176,8 +208,19 @@ class UdpPaths:
         self._peers = [list(p) for p in peers]
         self._routes = {}
 
-    def send(self, datagrams: Iterable[Datagram]) -> None:
-        """Send each datagram from its path's socket for its TOS to its peer's path address."""
+    def send(self, datagrams: Iterable[Datagram | DatagramRun]) -> None:
+        """Send each datagram from its path's socket for its TOS to its peer's path address; a
+        :class:`DatagramRun` goes out with one ``sendmmsg`` per path where Linux has it."""
+        for item in datagrams:
+            if isinstance(item, DatagramRun):
+                if self._tx_table is not None:
+                    self._send_run(item)
+                else:
+                    self._send_each(item)
+            else:
+                self._send_each((item,))
+
+    def _send_each(self, datagrams: Iterable[Datagram]) -> None:
         c = self.counters
         routes, route = self._routes, self._route
         for data, peer, path, tos, payload in datagrams:
@@ -187,7 +230,7 @@ class UdpPaths:
                 if r is None:
                     c.unroutable += 1
                     continue
-            tr, sock, dest, fallback = r
+            tr, sock, dest, fallback, _ = r
             c.tx_datagrams += 1
             c.tos_fallback += fallback
             if payload is None:
@@ -204,8 +247,62 @@ class UdpPaths:
                 c.tx_errors += 1
                 log.debug("path %d: send error %s", path, e)
 
+    def _send_run(self, run: DatagramRun) -> None:
+        """One ``sendmmsg`` per path of the run (usually one or two): no Python per datagram."""
+        assert self._tx_table is not None
+        hb = run.header_bytes
+        hdr_addrs = _mmsg.address_of(run.hdr) + run.chunks * hb
+        pay_addrs = _mmsg.address_of(run.payload) + run.starts
+        sizes, paths = run.sizes, run.paths
+        first = int(paths[0])
+        if (paths == first).all():  # the usual case: one path, no selection
+            groups: list[tuple[int, np.ndarray | None]] = [(first, None)]
+        else:
+            groups = [(q, np.flatnonzero(paths == q)) for q in np.unique(paths).tolist()]
+        c = self.counters
+        for q, sel in groups:
+            idx = np.arange(len(run)) if sel is None else sel
+            r = self._routes.get((run.peer, q, run.tos)) or self._route(run.peer, q, run.tos)
+            if r is None:
+                c.unroutable += int(idx.shape[0])
+                continue
+            tr, sock, dest, fallback, name = r
+            if name is None:  # an address sendmmsg cannot take: one at a time
+                self._send_each(_select(run, idx))
+                continue
+            h, p, s = (
+                (hdr_addrs, pay_addrs, sizes)
+                if sel is None
+                else (
+                    hdr_addrs[sel],
+                    pay_addrs[sel],
+                    sizes[sel],
+                )
+            )
+            n, i, fd = int(idx.shape[0]), 0, sock.fileno()
+            while i < n:
+                sent, err = self._tx_table.send(fd, name, h[i:], hb, p[i:], s[i:])
+                c.tx_datagrams += sent
+                c.tos_fallback += fallback * sent
+                c.tx_bytes += sent * hb + int(s[i : i + sent].sum())
+                i += sent
+                if i >= n:
+                    break
+                if err in _AGAIN:  # the socket's buffer is full: the transport queues copies
+                    for dg in _select(run, idx[i:]):
+                        tr.sendto(dg.wire(), dest)
+                        c.tx_datagrams += 1
+                        c.tos_fallback += fallback
+                        c.tx_bytes += hb + len(dg.payload or b"")
+                    break
+                # Refused (e.g. an ICMP error reported on this send): count it, skip it, go on.
+                c.tx_errors += 1
+                log.debug("path %d: send error %s", q, errno.errorcode.get(err, err))
+                i += 1
+
     def _route(self, peer: int, path: int, tos: int) -> _Route | None:
-        """Transport, socket, destination and fallback flag of (peer, path, tos), cached."""
+        """Transport, socket, destination, fallback flag and ``sockaddr`` of (peer, path, tos),
+        cached."""
         try:
             addrs = self._peers[peer]
             dest = addrs[path % len(addrs)]
@@ -216,7 +313,13 @@ class UdpPaths:
         fallback = tr is None  # a TOS nobody declared: the path's main socket, counted
         if tr is None:
             tr = self._main[path % len(self._main)]
-        r = self._routes[(peer, path, tos)] = (tr, self._socks[tr], dest, int(fallback))
+        name = None
+        if self._tx_table is not None:
+            try:
+                name = _mmsg.sockaddr(dest)
+            except (OSError, ValueError):  # not a numeric address: sendmsg resolves it
+                name = None
+        r = self._routes[(peer, path, tos)] = (tr, self._socks[tr], dest, int(fallback), name)
         return r
 
     def poll(self) -> None:
@@ -247,6 +350,8 @@ class UdpPaths:
 
     def _read(self, sock: socket.socket, path: int) -> int:
         """Receive up to ``READ_BURST`` datagrams into the driver's arena; returns how many."""
+        if self._arena is not None:
+            return self._read_many(sock, path, self._arena)
         c = self.counters
         rx_buffer, on_datagram = self._rx_buffer, self._on_datagram
         now = time.monotonic()  # one reading per burst: the burst arrived together
@@ -268,6 +373,34 @@ class UdpPaths:
             on_datagram(n, path, now)
         return got
 
+    def _read_many(self, sock: socket.socket, path: int, arena: RxArena) -> int:
+        """``_read`` with ``recvmmsg``: many datagrams per system call, committed together."""
+        table = self._rx_table
+        rows = arena.rx_arena
+        if table is None or table.arena is not rows:
+            table = self._rx_table = _mmsg.RecvTable(rows)
+        c = self.counters
+        now = time.monotonic()  # one reading per burst: the burst arrived together
+        fd, got, n_rows = sock.fileno(), 0, rows.shape[0]
+        while got < READ_BURST:
+            first = arena.rx_free
+            room = min(READ_BURST - got, n_rows - first)
+            lengths, err = table.receive(fd, first, room)
+            if err:  # e.g. an ICMP error queued on the socket: count, go on
+                c.rx_errors += 1
+                log.debug("path %d: receive error %s", path, errno.errorcode.get(err, err))
+                break
+            k = int(lengths.shape[0])
+            if k == 0:
+                break
+            got += k
+            c.rx_datagrams += k
+            c.rx_bytes += int(lengths.sum())
+            arena.commit_datagrams(lengths, path, now)  # processes the arena when it is full
+            if k < room:  # drained
+                break
+        return got
+
     async def _sender(self, path: int, host: str, tos: int) -> asyncio.DatagramTransport:
         sock = _make_socket(host, 0, tos, self._bufsize, receives=False)
         loop = asyncio.get_running_loop()
@@ -282,6 +415,12 @@ class UdpPaths:
         self._protocols.append(protocol)
         self._socks[transport] = sock
         return transport
+
+
+def _select(run: DatagramRun, idx: np.ndarray) -> list[Datagram]:
+    """The datagrams at positions ``idx`` of ``run``."""
+    every = list(run)
+    return [every[i] for i in idx.tolist()]
 
 
 def _make_socket(host: str, port: int, tos: int, bufsize: int, receives: bool) -> socket.socket:

@@ -55,7 +55,7 @@ from scheduling.pacing import PacingConfig
 from transport.allreduce import TransposeAllReduce, warm_up
 from transport.config import TransportConfig
 from transport.errors import ConfigError, TransferFailed
-from transport.events import Datagram
+from transport.events import Datagram, flat
 from transport.pending import CollectiveResult, PendingCollectives
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "ZmqDataPlane", "zmq_config"]
@@ -379,7 +379,7 @@ class _Loop:
         timer = core.get_timer()
         if timer is not None and now >= timer:
             core.handle_timer(now)
-        for dg in core.datagrams_to_send(now):
+        for dg in flat(core.datagrams_to_send(now)):
             self._send(dg)
         self._deliver_events()
 

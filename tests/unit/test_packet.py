@@ -26,6 +26,7 @@ from transport.packet import (
     encode_bitmap,
     header_view,
     validate,
+    validate_data_rows,
 )
 from transport.tag import TAG_FAST, TAG_SIPHASH, TagKey, fast_tag, packet_tag, siphash24
 
@@ -338,6 +339,41 @@ def test_any_header_with_a_good_tag_gets_a_reason(fields: dict, payload: bytes) 
     assert validate(data, SESSION, TRANSFER) in set(Reason)
     if fields["job"] != SESSION.job:
         assert validate(data, SESSION, TRANSFER) == Reason.FOREIGN_JOB
+
+
+# Data headers near the session's limits, so every session-level check both passes and fails.
+NEAR_FIELDS = {
+    "kind": st.just(int(Kind.DATA)),
+    "job": st.just(SESSION.job),
+    "step": st.integers(8, 22),
+    "bucket": st.integers(6, 9),
+    "shard": st.integers(2, 5),
+    "src": st.integers(2, 5),
+    "dst": st.integers(0, 2),
+    "chunk": st.integers(0, 5),
+    "count": st.integers(0, 70),
+    "dtype": st.integers(0, 4),
+    "phase": st.integers(0, 5),
+}
+
+
+@SETTINGS
+@given(
+    packets=st.lists(
+        st.tuples(st.fixed_dictionaries(NEAR_FIELDS), st.integers(0, 280)), min_size=1, max_size=12
+    )
+)
+def test_batch_data_validation_equals_validate_without_the_tag(packets: list) -> None:
+    """validate_data_rows (the early-data path's batch check) gives, for every packet, the
+    reason validate(..., tag=False) gives, for headers that pass the framing checks."""
+    wires = [encode(Header(**f), bytes(n)) for f, n in packets]
+    arena = np.zeros((len(wires), max(map(len, wires))), dtype=np.uint8)
+    for i, w in enumerate(wires):
+        arena[i, : len(w)] = np.frombuffer(w, np.uint8)
+    lengths = np.array([len(w) for w in wires], dtype=np.int32)
+    session = SessionSpec(**{**SESSION.__dict__, "max_datagram": 4096})
+    got = validate_data_rows(header_view(arena), lengths, session)
+    assert got.tolist() == [int(validate(w, session, tag=False)) for w in wires]
 
 
 def test_decode_header_raises_typed_errors() -> None:

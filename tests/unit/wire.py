@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from transport.events import Datagram
+from transport.events import Datagram, flat
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Wire:
 
     def _collect(self, i: int) -> None:
         ep = self.endpoints[i]
-        for dg in ep.datagrams_to_send(self.now):
+        for dg in flat(ep.datagrams_to_send(self.now)):
             self.sent += 1
             if self.drop is not None and self.drop(i, dg, self.sent):
                 self.dropped += 1

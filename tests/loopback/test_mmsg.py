@@ -1,0 +1,115 @@
+"""Linux's batched UDP calls (``sendmmsg`` / ``recvmmsg``) on real loopback sockets: bytes,
+lengths and truncation exactly as one call per datagram gives them; and an engine without them
+(the one-call-per-datagram path every other platform uses) all-reduces exactly too."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from transport import _mmsg, udp
+from transport.config import TransportConfig
+from transport.engine import Engine
+from transport.rendezvous import StaticPeers
+
+pytestmark = pytest.mark.skipif(not _mmsg.AVAILABLE, reason="sendmmsg/recvmmsg: Linux only")
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        rx.bind(("127.0.0.1", 0))
+        rx.setblocking(False)
+        tx.bind(("127.0.0.1", 0))
+        tx.setblocking(False)
+        yield rx, tx
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_a_run_goes_out_and_comes_back_byte_for_byte(pair):
+    rx, tx = pair
+    rng = np.random.default_rng(1)
+    n, hb = 40, 48
+    hdr = rng.integers(0, 256, (n, hb), dtype=np.uint8)
+    sizes = rng.integers(0, 3000, n).astype(np.int64)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    payload = rng.integers(0, 256, int(sizes.sum()), dtype=np.uint8)
+    order = rng.permutation(n)  # rows in any order, as a sender's run picks chunks
+    table = _mmsg.SendTable(capacity=4)  # grows to fit
+    sent, err = table.send(
+        tx.fileno(),
+        _mmsg.sockaddr(rx.getsockname()),
+        hdr.ctypes.data + order * hb,
+        hb,
+        payload.ctypes.data + starts[order],
+        sizes[order],
+    )
+    assert (sent, err) == (n, 0)
+    arena = np.zeros((64, 4096), dtype=np.uint8)
+    got = _mmsg.RecvTable(arena)
+    lengths, err = got.receive(rx.fileno(), 3, 64 - 3)
+    assert err == 0
+    assert lengths.tolist() == (hb + sizes[order]).tolist()
+    for i, c in enumerate(order.tolist()):
+        row = arena[3 + i]
+        a, b = int(starts[c]), int(starts[c] + sizes[c])
+        assert row[:hb].tobytes() == hdr[c].tobytes()
+        assert row[hb : hb + sizes[c]].tobytes() == payload[a:b].tobytes()
+    # Nothing left: an empty answer, not an error.
+    lengths, err = got.receive(rx.fileno(), 0, 8)
+    assert lengths.size == 0 and err == 0
+
+
+def test_a_datagram_longer_than_a_row_reads_as_oversized(pair):
+    rx, tx = pair
+    for size in (100, 5000, 4096):
+        tx.sendto(b"x" * size, rx.getsockname())
+    table = _mmsg.RecvTable(np.zeros((8, 4096), dtype=np.uint8))
+    lengths, err = table.receive(rx.fileno(), 0, 8)
+    assert err == 0
+    assert lengths.tolist() == [100, 4097, 4096]  # 4097: truncated (the caller's "oversized")
+
+
+def test_sockaddr_layouts():
+    v4 = _mmsg.sockaddr(("127.0.0.2", 0x1234))
+    assert (
+        v4.tobytes() == socket.AF_INET.to_bytes(2, "little") + b"\x12\x34\x7f\0\0\x02" + b"\0" * 8
+    )
+    v6 = _mmsg.sockaddr(("::1", 80, 0, 0))
+    assert v6.shape == (28,) and v6[2:4].tolist() == [0, 80] and v6[23] == 1
+    with pytest.raises(OSError):
+        _mmsg.sockaddr(("not-an-address", 1))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batched", [True, False])
+def test_engines_all_reduce_exactly_with_and_without_batched_calls(monkeypatch, batched):
+    if not batched:  # the path of platforms without the calls (read at UdpPaths creation)
+        monkeypatch.setattr(udp._mmsg, "AVAILABLE", False)
+    cfg = TransportConfig(n_paths=2, chunk_bytes=65000)
+    engines = [Engine(r, 2, cfg) for r in range(2)]
+    try:
+        table = {r: e.start() for r, e in enumerate(engines)}
+        for e in engines:
+            e.set_peers(StaticPeers(table))
+            assert (e._udp._tx_table is not None) == batched
+        rng = np.random.default_rng(3)
+        data = [rng.standard_normal(3_000_001).astype(np.float32) for _ in range(2)]
+        futs = [e.submit(1, 0, d) for e, d in zip(engines, data, strict=True)]
+        for res, rep in (f.result(60) for f in futs):
+            np.testing.assert_array_equal(res, data[0] + data[1])
+            assert not rep.degraded
+        for e in engines:
+            udp_stats = e.stats()["udp"]
+            assert udp_stats["tx_errors"] == 0 and udp_stats["rx_errors"] == 0
+    finally:
+        for e in engines:
+            e.close()

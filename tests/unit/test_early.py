@@ -1,0 +1,84 @@
+"""Early data: DATA for a collective a rank has not started yet is checked, held as blocks of
+arena rows within ``early_buffer_bytes``, and replayed (the kernels check every packet) when it
+starts; forged early data is counted and never held; what does not fit is dropped, counted,
+and recovered like any loss."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.unit.wire import Wire
+from transport.allreduce import TransposeAllReduce
+from transport.config import TransportConfig
+from transport.events import AllReduceComplete, flat
+from transport.packet import HEADER_SIZE, Reason
+
+
+def _ranks(**cfg) -> list[TransposeAllReduce]:
+    config = TransportConfig(**{"chunk_bytes": 256, **cfg})
+    return [TransposeAllReduce(r, 2, config) for r in range(2)]
+
+
+def _early_into_rank1(eps, x0, mangle=lambda b: b) -> int:
+    """Rank 0 starts and everything it sends reaches rank 1, which has not started."""
+    eps[0].start(1, 0, x0, 0.5, 0.0)
+    n = 0
+    for dg in flat(eps[0].datagrams_to_send(0.0)):
+        eps[1].receive_datagram(mangle(dg.wire()), dg.path, 0.0)
+        n += 1
+    eps[1].datagrams_to_send(0.0)  # processes the received batch
+    return n
+
+
+def _finish(eps, datas) -> dict[int, AllReduceComplete]:
+    eps[1].start(1, 0, datas[1], 0.5, 0.0)
+    wire = Wire(eps)
+    wire.run(lambda: sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == 2)
+    return {r: e for r, _, e in wire.events}
+
+
+def test_early_data_is_held_then_replayed_exactly():
+    rng = np.random.default_rng(5)
+    datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
+    eps = _ranks()
+    sent = _early_into_rank1(eps, datas[0])
+    rx = eps[1].endpoint.receiver
+    held = sum(lengths.shape[0] for blocks in rx.early.values() for _, lengths, _ in blocks)
+    assert sent == -(-1500 * 4 // 256) and held == sent  # all of rank 1's shard, held
+    assert rx.early_bytes == sum(
+        int(lengths.sum()) for blocks in rx.early.values() for _, lengths, _ in blocks
+    )
+    out = _finish(eps, datas)
+    expect = datas[0] + datas[1]
+    for r in range(2):
+        np.testing.assert_allclose(out[r].result, expect, rtol=1e-6)
+    assert rx.early == {} and rx.early_bytes == 0
+
+
+def test_forged_early_data_is_counted_and_never_held():
+    datas = [np.ones(3000, np.float32), np.ones(3000, np.float32)]
+    eps = _ranks()
+
+    def wrong_rank(b: bytes) -> bytes:  # addressed to rank 3 of a 2-rank job
+        buf = bytearray(b)
+        if buf[3] == 1:  # DATA
+            buf[22:24] = (3).to_bytes(2, "little")
+        return bytes(buf)
+
+    _early_into_rank1(eps, datas[0], wrong_rank)
+    rx = eps[1].endpoint.receiver
+    assert rx.early == {} and rx.early_bytes == 0
+    assert eps[1].endpoint.counters[Reason.BAD_RANK] > 0
+
+
+def test_early_data_beyond_the_buffer_is_dropped_counted_and_recovered():
+    rng = np.random.default_rng(6)
+    datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
+    eps = _ranks(early_buffer_bytes=4 * (256 + HEADER_SIZE))
+    _early_into_rank1(eps, datas[0])
+    rx = eps[1].endpoint.receiver
+    assert rx.early_dropped > 0
+    assert 0 < rx.early_bytes <= 4 * (256 + HEADER_SIZE)
+    out = _finish(eps, datas)
+    for r in range(2):
+        np.testing.assert_allclose(out[r].result, datas[0] + datas[1], rtol=1e-6)
