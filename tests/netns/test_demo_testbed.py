@@ -27,7 +27,14 @@ def test_demo_trains_on_the_testbed_over_gloo_and_gradlane():
     assert s["injected_drops"] == 0 and s["delivered_fraction_min"] >= 0.98 - 1e-9
     # Same initialisation, same batches, (nearly) the same sums: the same model to a point.
     assert abs(s["accuracy_gradlane"] - s["accuracy_gloo"]) <= 2.0, s
-    assert out["runs"]["gradlane"]["param_divergence"] == 0.0  # every rank holds the same model
+    # Every rank holds the same model when everything arrived. A gather-phase chunk lost within
+    # the bound keeps each rank's own value (ARCHITECTURE §4 fill rules): replicas then differ
+    # by that stale piece of one step's update, a small gap (1.8e-4 seen once under CPU load).
+    divergence = out["runs"]["gradlane"]["param_divergence"]
+    if s["delivered_fraction_min"] == 1.0:
+        assert divergence == 0.0
+    else:
+        assert divergence < 1e-2, divergence
     assert "cross traffic" in out["network"]
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
     assert f"dm{os.getpid() % 1_000_000}-" not in names.stdout  # torn down
