@@ -22,6 +22,12 @@ all-reduce of the times). The first repetition of every (transport, size) checks
 against gloo's: the reliable modes must match within float tolerance or the run fails; the
 bounded mode's delivered fraction and error are reported.
 
+Each call's CPU time is measured too (user + system of the rank's process across the call,
+``getrusage``, summed over ranks): on a machine this small (2 cores) wall times swing by
+±20% run to run while the CPU a collective costs is steadier, and with more ranks than cores
+it is what the wall time comes down to. ``summary.<transport>_cpu_vs_gloo`` holds its ratios
+(embedded transports only: a daemon's CPU is in another process).
+
 Loopback on a shared machine: the numbers are informative, not a network measurement.
 """
 
@@ -33,6 +39,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import resource
 import select
 import shutil
 import signal
@@ -162,6 +169,7 @@ def _timed_loop(
     """Interleave the transports per repetition; times are the max over ranks."""
     transports = ["gloo", *engines]
     times: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
+    cpu: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
     checks: dict[str, dict[int, Any]] = {t: {} for t in transports if t != "gloo"}
     # One untimed round first: numba loads its cached kernels and the engines their first
     # buffers on the first call, which would otherwise be the first repetition's outlier.
@@ -176,31 +184,37 @@ def _timed_loop(
         data = np.random.default_rng([args["seed"], rank, n]).standard_normal(n).astype(np.float32)
         for t in transports:
             times[t][mb] = []
+            cpu[t][mb] = []
         for rep in range(args["reps"]):
             step += 1
-            mine = []
+            mine, spent = [], []
             gloo_result = None
             for t in transports:
                 if t == "gloo":
                     buf = torch.from_numpy(data.copy())
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    c0, t0 = _cpu_s(), time.perf_counter()
                     dist.all_reduce(buf)
                     mine.append(time.perf_counter() - t0)
+                    spent.append(_cpu_s() - c0)
                     gloo_result = buf.numpy()
                     continue
                 buf = data.copy()  # in place, as gloo's all_reduce (and its copy, untimed)
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = _cpu_s(), time.perf_counter()
                 res, report = engines[t].submit(step, 0, buf, out=buf).result(args["timeout"])
                 mine.append(time.perf_counter() - t0)
+                spent.append(_cpu_s() - c0)
                 if rep == 0:
                     checks[t][mb] = _check(t, rank, mb, res, report, gloo_result)
-            # The step time of a collective is its slowest rank's.
+            # The step time of a collective is its slowest rank's; its CPU, every rank's.
             tt = torch.tensor(mine, dtype=torch.float64)
             dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-            for t, v in zip(transports, tt.tolist(), strict=True):
+            cc = torch.tensor(spent, dtype=torch.float64)
+            dist.all_reduce(cc, op=dist.ReduceOp.SUM)
+            for t, v, c in zip(transports, tt.tolist(), cc.tolist(), strict=True):
                 times[t][mb].append(v)
+                cpu[t][mb].append(c)
         # Gather every rank's correctness check for this size (rank 0 reports all).
         flags = torch.tensor(
             [0.0 if checks[t][mb]["ok"] else 1.0 for t in checks], dtype=torch.float64
@@ -216,7 +230,13 @@ def _timed_loop(
             checks[t][mb]["ok_all_ranks"] = bad == 0.0
             checks[t][mb]["delivered_fraction_min_rank"] = low
         del data
-    return {"times": times, "checks": checks}
+    return {"times": times, "cpu": cpu, "checks": checks}
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far (every thread: engine loops included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _check(
@@ -370,12 +390,13 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, dict[str, float]] = {k: {} for k in SUMMARY_KEYS.values()}
     summary["daemon_vs_embedded"] = {}
     for world, out in per_world.items():
-        times = out["times"]
+        times, cpu = out["times"], out.get("cpu", {})
         for t, by_mb in times.items():
             for mb_key, xs in by_mb.items():
                 mb = float(mb_key)
                 gloo = float(np.median(times["gloo"][mb_key]))
                 med = float(np.median(xs))
+                cs = cpu.get(t, {}).get(mb_key)
                 row = {
                     "transport": t,
                     "ranks": world,
@@ -386,6 +407,15 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     "ratio_to_gloo": med / gloo if gloo > 0 else math.nan,
                     "gbps": mb * MB * 8 / med / 1e9 if med > 0 else math.nan,
                 }
+                if cs and t != "daemon":
+                    cpu_gloo = float(np.median(cpu["gloo"][mb_key]))
+                    row["cpu_median_s"] = float(np.median(cs))
+                    row["cpu_ratio_to_gloo"] = (
+                        row["cpu_median_s"] / cpu_gloo if cpu_gloo > 0 else math.nan
+                    )
+                    if t != "gloo":
+                        key = f"{SUMMARY_KEYS[t].removesuffix('_vs_gloo')}_cpu_vs_gloo"
+                        summary.setdefault(key, {})[f"{world}x{mb:g}"] = row["cpu_ratio_to_gloo"]
                 if t != "gloo":
                     row["check"] = out["checks"][t][mb_key]
                     summary[SUMMARY_KEYS[t]][f"{world}x{mb:g}"] = row["ratio_to_gloo"]
@@ -401,7 +431,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width text table."""
     head = (
         f"{'transport':<14}{'ranks':>6}{'MB':>7}{'median ms':>12}{'p99 ms':>10}{'x gloo':>9}"
-        f"{'Gb/s':>8}  check"
+        f"{'Gb/s':>8}{'cpu ms':>9}{'cpu x':>7}  check"
     )
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (r["ranks"], r["MB"], TRANSPORTS.index(r["transport"]))):
@@ -415,9 +445,12 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f" rms_rel={c['rms_err_rel']:.1e}"
             )
         )
+        cpu_ms = r.get("cpu_median_s", math.nan) * 1e3
+        cpu_x = r.get("cpu_ratio_to_gloo", math.nan)
         lines.append(
             f"{r['transport']:<14}{r['ranks']:>6}{r['MB']:>7g}{r['median_s'] * 1e3:>12.1f}"
-            f"{r['p99_s'] * 1e3:>10.1f}{r['ratio_to_gloo']:>9.2f}{r['gbps']:>8.2f}  {check}"
+            f"{r['p99_s'] * 1e3:>10.1f}{r['ratio_to_gloo']:>9.2f}{r['gbps']:>8.2f}"
+            f"{cpu_ms:>9.1f}{cpu_x:>7.2f}  {check}"
         )
     return "\n".join(lines)
 

@@ -238,6 +238,7 @@ class Endpoint:
             "accepted": int(self.counters[Reason.OK]),
             "late": self.receiver.late,
             "early_dropped": self.receiver.early_dropped,
+            "early_expired": self.receiver.early_expired,
         }
 
     # -- internals ---------------------------------------------------------------------------

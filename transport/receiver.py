@@ -157,6 +157,8 @@ class ReceiverCore:
         self.early: dict[InKey, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.early_control: dict[InKey, list[tuple[bytes, int]]] = {}
         self.early_bytes = 0
+        self._early_at: dict[InKey, float] = {}  # when each transfer's first early data came
+        self.early_expired = 0
         self.counters = np.zeros(N_REASONS, dtype=np.int64)
         self.late = 0
         self.early_dropped = 0
@@ -181,6 +183,7 @@ class ReceiverCore:
         t = InTransfer(key, spec, senders, target, contrib, received, now)
         self.transfers[key] = t
         self._refresh_check(t)
+        self._early_at.pop(key, None)
         for block, lengths, paths in self.early.pop(key, []):
             self.early_bytes -= int(lengths.sum())
             if not t.done:  # the kernel checks every held packet (tag included) as it lands
@@ -286,6 +289,7 @@ class ReceiverCore:
                 self._stop_late(key, h["src"], now)
             else:
                 self.early_control.setdefault(key, []).append((bytes(data), path))
+                self._early_at.setdefault(key, now)
             return
         if t.done:
             return
@@ -319,6 +323,7 @@ class ReceiverCore:
         """DATA rows of ``arena`` (validated at session level; ``srcs`` their senders) for a
         transfer that is not running here: held (copied, as one block) within
         ``early_buffer_bytes`` until it starts, or answered with STOP when it has ended."""
+        self._expire_early(now)
         if key in self.tombstones:
             self.late += int(rows.shape[0])
             for src in np.unique(srcs).tolist():
@@ -333,6 +338,7 @@ class ReceiverCore:
             if not rows.size:
                 return
         self.early.setdefault(key, []).append((arena[rows], sizes, paths[rows]))
+        self._early_at.setdefault(key, now)
         self.early_bytes += int(sizes.sum())
 
     def _stop_late(self, key: InKey, src: int, now: float) -> None:
@@ -370,6 +376,7 @@ class ReceiverCore:
                 self._check(t, now)
                 if not t.done:
                     self._refresh_check(t)
+        self._expire_early(now)
         linger = self.config.linger_s
         while self.tombstones:
             key, at = next(iter(self.tombstones.items()))
@@ -378,6 +385,22 @@ class ReceiverCore:
             del self.tombstones[key]
             for s in range(self.world):
                 self._stop_sent.pop((key, s), None)
+
+    def _expire_early(self, now: float) -> None:
+        """Drop early data held longer than a transfer may live (its hard deadline, or the
+        linger time if longer): a collective that has not started here by then never will (a
+        peer's stale step, a job restarted under the same token), and its held bytes would
+        otherwise keep new early data out of ``early_buffer_bytes`` for good."""
+        limit = max(self.config.loss.hard_deadline_s, self.config.linger_s)
+        while self._early_at:
+            key, at = next(iter(self._early_at.items()))
+            if now < at + limit:
+                return
+            del self._early_at[key]
+            for _, lengths, _ in self.early.pop(key, []):
+                self.early_bytes -= int(lengths.sum())
+                self.early_expired += int(lengths.shape[0])
+            self.early_control.pop(key, None)
 
     def abort(self, key: InKey) -> None:
         """Forget a transfer without completing it (its collective failed)."""

@@ -82,3 +82,20 @@ def test_early_data_beyond_the_buffer_is_dropped_counted_and_recovered():
     out = _finish(eps, datas)
     for r in range(2):
         np.testing.assert_allclose(out[r].result, datas[0] + datas[1], rtol=1e-6)
+
+
+def test_early_data_of_a_collective_that_never_starts_expires():
+    """Held data a rank never uses (a peer's stale step) is dropped once a transfer could no
+    longer be alive, so it cannot keep newer early data out of the buffer for good."""
+    eps = _ranks()
+    _early_into_rank1(eps, np.ones(3000, np.float32))
+    rx = eps[1].endpoint.receiver
+    held = rx.early_bytes
+    assert held > 0
+    limit = max(eps[1].config.loss.hard_deadline_s, eps[1].config.linger_s)
+    rx.handle_timer(limit * 0.5)
+    assert rx.early_bytes == held and rx.early_expired == 0
+    rx.handle_timer(limit + 0.001)
+    assert rx.early == {} and rx.early_bytes == 0
+    assert rx.early_expired == -(-1500 * 4 // 256)
+    assert eps[1].endpoint.stats()["early_expired"] == rx.early_expired

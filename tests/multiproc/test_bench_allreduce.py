@@ -1,0 +1,32 @@
+"""``python -m bench.allreduce`` runs end to end: every transport's result checked against
+gloo's, the summary maps the issue names, and the CPU figures next to the times.
+
+No timing is asserted (machines are noisy): only that the run is real and its JSON complete.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import allreduce
+
+
+@pytest.mark.timeout(300)
+def test_allreduce_benchmark_checks_results_and_writes_its_summary(tmp_path):
+    path = tmp_path / "ar.json"
+    args = ["--ranks", "2", "--sizes", "1", "--reps", "2", "--json", str(path)]
+    assert allreduce.main(args) == 0
+    doc = json.loads(path.read_text())
+    summary = doc["summary"]
+    for key in ("udp_reliable", "udp_bounded", "zmq"):
+        assert set(summary[f"{key}_vs_gloo"]) == {"2x1"}
+        assert set(summary[f"{key}_cpu_vs_gloo"]) == {"2x1"}
+        assert summary[f"{key}_cpu_vs_gloo"]["2x1"] > 0
+    rows = {r["transport"]: r for r in doc["rows"]}
+    assert set(rows) == {"gloo", "udp_reliable", "udp_bounded", "zmq"}
+    for t in ("udp_reliable", "zmq"):  # reliable: equal to gloo's sum on every rank
+        assert rows[t]["check"]["ok_all_ranks"]
+        assert rows[t]["check"]["delivered_fraction_min_rank"] == 1.0
+    assert all(r["reps"] == 2 and r["cpu_median_s"] > 0 for r in rows.values())
