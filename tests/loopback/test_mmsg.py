@@ -113,3 +113,33 @@ def test_engines_all_reduce_exactly_with_and_without_batched_calls(monkeypatch, 
     finally:
         for e in engines:
             e.close()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+def test_engines_all_reduce_exactly_over_ipv6():
+    """sendmmsg to a sockaddr_in6 built by _mmsg.sockaddr reaches the peer (and nothing else)."""
+    cfg = TransportConfig(n_paths=1, chunk_bytes=8192)
+    engines = [Engine(r, 2, cfg, local_addrs=["::1"]) for r in range(2)]
+    try:
+        table = {r: e.start() for r, e in enumerate(engines)}
+        for e in engines:
+            e.set_peers(StaticPeers(table))
+        rng = np.random.default_rng(4)
+        data = [rng.standard_normal(100_003).astype(np.float32) for _ in range(2)]
+        futs = [e.submit(1, 0, d) for e, d in zip(engines, data, strict=True)]
+        for res, _ in (f.result(30) for f in futs):
+            np.testing.assert_array_equal(res, data[0] + data[1])
+        assert all(e.stats()["udp"]["tx_errors"] == 0 for e in engines)
+    finally:
+        for e in engines:
+            e.close()
