@@ -3,9 +3,13 @@
 ``python -m bench.kernels --json out.json [--quick]``
 
 Each kernel runs interleaved with its NumPy baseline (``np.copyto`` of the same payload bytes into
-a preallocated buffer for pack/place; ``dst += src`` on float32 arrays of the same element count
+a preallocated buffer for send/place; ``dst += src`` on float32 arrays of the same element count
 for reduce), single-threaded, after a warm-up; the figures are medians. Throughput counts payload
 bytes (the shard), so the headers a kernel writes or reads on top are its own overhead.
+
+"send" is what a sender runs per shard: :func:`kernels.chunk_stats` (one read: norms and tag
+sums) and :func:`kernels.write_headers` (a 48-byte header per chunk; a SipHash key reads the
+payload again). The payload itself is never copied: the kernel's ``sendmmsg`` gathers it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from transport import kernels
-from transport.packet import N_REASONS, DType, Header, SessionSpec, TransferSpec
+from transport.packet import HEADER_SIZE, N_REASONS, DType, Header, SessionSpec, TransferSpec
 from transport.tag import TagKey
 
 MB = 1_000_000
@@ -101,7 +105,7 @@ def _pack_reduce_place(
     results: list[dict[str, Any]],
     summary: dict[str, float],
 ) -> None:
-    """pack / reduce_into / place_into (and at 25 MB the keyed and 16-bit packs) for one size."""
+    """send / reduce_into / place_into (and at 25 MB the keyed and 16-bit sends) for one size."""
     nbytes = src.nbytes
     n = src.shape[0]
     ce = payload // 4
@@ -112,25 +116,31 @@ def _pack_reduce_place(
     header = Header(job=1, step=5, bucket=0, shard=0, src=1, dst=0)
     fast, keyed = TagKey(), TagKey.from_secret(SECRET)
 
-    def do_pack(key: TagKey = fast) -> int:
-        return kernels.pack(
-            src, arena, lengths, dtype=DType.F32, header=header, chunk_elems=ce, key=key
-        )
+    def do_send(key: TagKey = fast, data: np.ndarray = src, dtype: DType = DType.F32) -> int:
+        elems = payload // data.itemsize
+        stats = kernels.chunk_stats(data, dtype=dtype, chunk_elems=elems)
+        hdr = np.empty((stats.norms.shape[0], HEADER_SIZE), dtype=np.uint8)
+        zero = np.zeros(stats.norms.shape[0], dtype=np.uint8)
+        return kernels.write_headers(
+            hdr, data, stats, dtype=dtype, header=header, chunk_elems=elems, key=key,
+            prio=zero, flags=zero,
+        )  # fmt: skip
 
     def do_copy() -> None:
         np.copyto(copy_dst, src)
 
-    tk, tb, ratio = _interleaved(do_pack, do_copy, reps)
-    _row(results, kernel="pack", size_MB=size_mb, payload_B=payload, GBps=nbytes / tk / 1e9,
+    tk, tb, ratio = _interleaved(do_send, do_copy, reps)
+    _row(results, kernel="send", size_MB=size_mb, payload_B=payload, GBps=nbytes / tk / 1e9,
          baseline="np.copyto", baseline_GBps=nbytes / tb / 1e9, ratio=ratio)  # fmt: skip
-    summary[f"pack_vs_copy_{size_mb}MB{tag}"] = round(ratio, 3)
+    summary[f"send_vs_copy_{size_mb}MB{tag}"] = round(ratio, 3)
 
     session = SessionSpec(job=1, me=0, world=2)
     transfer = TransferSpec(
         step=5, bucket=0, shard=0, phase=0, dtype=DType.F32, n_elems=n, chunk_elems=ce,
         src_lo=0, src_hi=2,
     )  # fmt: skip
-    do_pack()
+    # The packets the receive kernels take, as the wire carries them (untimed).
+    kernels.pack(src, arena, lengths, dtype=DType.F32, header=header, chunk_elems=ce, key=fast)
     accum = np.zeros(n, dtype=np.float32)
     out = np.empty(n, dtype=np.float32)
     contrib = np.zeros(transfer.n_chunks, dtype=np.uint16)
@@ -171,29 +181,21 @@ def _pack_reduce_place(
     if size_mb != 25:
         return
 
-    tk, tb, ratio = _interleaved(lambda: do_pack(keyed), do_copy, reps)
-    _row(results, kernel="pack_siphash", size_MB=size_mb, payload_B=payload,
+    tk, tb, ratio = _interleaved(lambda: do_send(keyed), do_copy, reps)
+    _row(results, kernel="send_siphash", size_MB=size_mb, payload_B=payload,
          GBps=nbytes / tk / 1e9, baseline="np.copyto", baseline_GBps=nbytes / tb / 1e9,
          ratio=ratio)  # fmt: skip
-    summary[f"pack_siphash_GBps_{size_mb}MB{tag}"] = round(nbytes / tk / 1e9, 2)
+    summary[f"send_siphash_GBps_{size_mb}MB{tag}"] = round(nbytes / tk / 1e9, 2)
 
     half = src.astype(np.float16).view(np.uint16)
-    arena16, lengths16 = _arena_for(n, payload // 2, 2)
-    for name, wire in (("pack_bf16", DType.BF16), ("pack_f16", DType.F16)):
-
-        def do_pack16(w: DType = wire) -> int:
-            return kernels.pack(
-                half, arena16, lengths16, dtype=w, header=header, chunk_elems=payload // 2,
-                key=fast,
-            )  # fmt: skip
-
-        t = _solo(do_pack16, reps)
+    for name, wire in (("send_bf16", DType.BF16), ("send_f16", DType.F16)):
+        t = _solo(lambda w=wire: do_send(fast, half, w), reps)
         _row(results, kernel=name, size_MB=size_mb, payload_B=payload,
              GBps=half.nbytes / t / 1e9)  # fmt: skip
         summary[f"{name}_GBps_{size_mb}MB{tag}"] = round(half.nbytes / t / 1e9, 2)
 
 
-def _norms_and_hadamard(
+def _hadamard(
     src: np.ndarray,
     size_mb: int,
     reps: int,
@@ -201,8 +203,6 @@ def _norms_and_hadamard(
     summary: dict[str, float],
 ) -> None:
     nbytes = src.nbytes
-    t = _solo(lambda: kernels.chunk_stats(src, dtype=DType.F32, chunk_elems=2048), reps)
-    _row(results, kernel="chunk_stats", size_MB=size_mb, GBps=nbytes / t / 1e9)
     work = src.copy()
     t = _solo(lambda: kernels.hadamard_forward(work, seed=7, block=1024), reps)
     _row(results, kernel="hadamard_fwd", size_MB=size_mb, GBps=nbytes / t / 1e9)
@@ -225,7 +225,7 @@ def run(quick: bool) -> dict[str, Any]:
         other = rng.standard_normal(n).astype(np.float32)
         for payload in PAYLOADS:
             _pack_reduce_place(src, other, size_mb, payload, reps, results, summary)
-        _norms_and_hadamard(src, size_mb, reps, results, summary)
+        _hadamard(src, size_mb, reps, results, summary)
     return {
         "bench": "kernels",
         "units": "GB/s = 1e9 payload bytes per second; ratio = median over rounds of "

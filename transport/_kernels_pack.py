@@ -118,17 +118,6 @@ def sumsq_u16(h: np.ndarray, bf16: bool) -> np.float32:
 
 
 @njit(**REDUCTION)
-def sumsq_f32(s32: np.ndarray) -> np.float32:
-    """Sum of squares (float32) of float32 values given as u32 bits."""
-    sf = s32.view(np.float32)
-    ss = np.float32(0.0)
-    for j in range(sf.shape[0]):
-        x = sf[j]
-        ss += x * x
-    return ss
-
-
-@njit(**REDUCTION)
 def pack_u16(
     src16: np.ndarray,
     arena: np.ndarray,
@@ -286,6 +275,7 @@ def headers_fast(
 def headers_siphash(
     hdr64: np.ndarray,
     scratch64: np.ndarray,
+    src32: np.ndarray,
     src8: np.ndarray,
     chunk_bytes: int,
     counts: np.ndarray,
@@ -299,13 +289,20 @@ def headers_siphash(
     k1: np.uint64,
 ) -> None:
     """Write every chunk's header with its SipHash tag, which covers header and payload in one
-    stream: each payload is staged after its header in an L1-sized scratch row first."""
+    stream: each payload is staged after its header in an L1-sized scratch row first, as u32
+    words (``src32``: the shard's whole words; chunk_bytes is a multiple of 4), then the odd
+    tail bytes of a 16-bit shard (``src8``). A byte loop staged at a third of the speed."""
     scratch8 = scratch64.view(np.uint8)
+    scratch32 = scratch64.view(np.uint32)
     z = _U64(0)
     for c in range(counts.shape[0]):
         nb = itemsize * counts[c]
         off = c * chunk_bytes
-        for j in range(nb):
+        words = nb // 4
+        o4 = off // 4
+        for j in range(words):
+            scratch32[12 + j] = src32[o4 + j]
+        for j in range(4 * words, nb):
             scratch8[48 + j] = src8[off + j]
         finish_packet(
             scratch64, tmpl, flags[c], prio[c], first_chunk + c, counts[c], norms[c], 48 + nb,

@@ -133,19 +133,11 @@ class Endpoint:
 
     def commit_datagram(self, nbytes: int, path: int, now: float) -> None:
         """The datagram just written into :meth:`rx_buffer` is ``nbytes`` long (its real length:
-        a longer one than the buffer was truncated and is counted as oversized)."""
-        self._now = now
-        if nbytes > self._rx.shape[1]:
-            self.counters[Reason.OVERSIZED] += 1
-            return
+        a longer one than the buffer was truncated; the batch's checks count it as oversized)."""
         i = self._rx_n
         self._rx_len[i] = nbytes
         self._rx_path[i] = path
-        self._rx_n = i + 1
-        if i == 0:
-            self._rx_first = now
-        if self._rx_n == RX_BATCH:
-            self._flush(now)
+        self._committed(i, 1, now)
 
     @property
     def rx_arena(self) -> np.ndarray:
@@ -167,14 +159,18 @@ class Endpoint:
         k = int(lengths.shape[0])
         if k == 0:
             return
-        self._now = now
         i = self._rx_n
         if i + k > self._rx.shape[0]:
             raise ValueError(f"{k} datagrams committed with {self._rx.shape[0] - i} rows free")
         self._rx_len[i : i + k] = lengths
         self._rx_path[i : i + k] = path
-        self._rx_n = i + k
-        if i == 0:
+        self._committed(i, k, now)
+
+    def _committed(self, first: int, k: int, now: float) -> None:
+        """Rows ``first .. first + k`` hold new datagrams: process the batch once it is full."""
+        self._now = now
+        self._rx_n = first + k
+        if first == 0:
             self._rx_first = now
         if self._rx_n == RX_BATCH:
             self._flush(now)

@@ -582,8 +582,10 @@ def write_headers(
         )  # fmt: skip
     else:
         scratch = np.zeros((HEADER_SIZE + chunk_elems * item + 7) // 8, dtype=np.uint64)
+        src8 = bits.view(np.uint8)
+        src32 = src8[: src8.shape[0] // 4 * 4].view(np.uint32)
         _pk.headers_siphash(
-            hdr64, scratch, bits.view(np.uint8), chunk_elems * item, counts, item, tmpl, prio_a,
+            hdr64, scratch, src32, src8, chunk_elems * item, counts, item, tmpl, prio_a,
             flags_a, first, stats.norms, k0, k1,
         )  # fmt: skip
     return n_chunks

@@ -137,7 +137,7 @@ class OutTransfer:
                 prio=self.prio,
                 flags=flags,
             )
-        # Datagram parts as flat memoryviews: slicing one is the cheapest view per send.
+        # Flat memoryviews of the headers and payload: what a DatagramRun points into.
         self.hdr_view = self.hdr.reshape(-1).data
         self.chunk_bytes = self.chunk_elems * ITEMSIZE[dtype]
         self.payload = np.ascontiguousarray(data).view(np.uint8).reshape(-1).data
@@ -193,12 +193,13 @@ class OutTransfer:
         owed = np.flatnonzero(self.state != ACKED)
         if owed.size * 2 > self.n_chunks:
             owned[:] = src
-        else:
-            cb = self.chunk_bytes
-            for c in owed.tolist():
-                a = c * cb
-                b = a + int(self.lengths[c]) - HEADER_SIZE
-                owned[a:b] = src[a:b]
+        elif owed.size:
+            # Every chunk but the last is a whole row of chunk_bytes: one gather copies them.
+            cb, last = self.chunk_bytes, self.n_chunks - 1
+            full = owed[owed < last]
+            owned[: last * cb].reshape(last, cb)[full] = src[: last * cb].reshape(last, cb)[full]
+            if owed[-1] == last:
+                owned[last * cb :] = src[last * cb :]
         self.payload = owned.data
 
     # -- queries ---------------------------------------------------------------------------

@@ -255,13 +255,12 @@ class UdpPaths:
         pay_addrs = _mmsg.address_of(run.payload) + run.starts
         sizes, paths = run.sizes, run.paths
         first = int(paths[0])
-        if (paths == first).all():  # the usual case: one path, no selection
-            groups: list[tuple[int, np.ndarray | None]] = [(first, None)]
+        if (paths == first).all():  # the usual case: one path
+            groups = [(first, np.arange(len(run)))]
         else:
             groups = [(q, np.flatnonzero(paths == q)) for q in np.unique(paths).tolist()]
         c = self.counters
-        for q, sel in groups:
-            idx = np.arange(len(run)) if sel is None else sel
+        for q, idx in groups:
             r = self._routes.get((run.peer, q, run.tos)) or self._route(run.peer, q, run.tos)
             if r is None:
                 c.unroutable += int(idx.shape[0])
@@ -270,15 +269,7 @@ class UdpPaths:
             if name is None:  # an address sendmmsg cannot take: one at a time
                 self._send_each(_select(run, idx))
                 continue
-            h, p, s = (
-                (hdr_addrs, pay_addrs, sizes)
-                if sel is None
-                else (
-                    hdr_addrs[sel],
-                    pay_addrs[sel],
-                    sizes[sel],
-                )
-            )
+            h, p, s = hdr_addrs[idx], pay_addrs[idx], sizes[idx]
             n, i, fd = int(idx.shape[0]), 0, sock.fileno()
             while i < n:
                 sent, err = self._tx_table.send(fd, name, h[i:], hb, p[i:], s[i:])
