@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from scheduling.loss import LossPolicy
 from scheduling.pacing import Pacer
 from scheduling.priority import make_priority_policy
+from transport._kernels_frame import frame_rows
 from transport.config import TransportConfig
 from transport.events import Datagram, DatagramRun, Event
 from transport.packet import (
     HEADER_SIZE,
-    MAGIC,
     N_REASONS,
-    VERSION,
     Flags,
     Header,
     Kind,
@@ -47,15 +46,6 @@ log = logging.getLogger(__name__)
 #: Datagrams held before a batch is processed even if nobody asks.
 RX_BATCH = 256
 _KEY_DTYPE = np.dtype([("step", "<u4"), ("bucket", "<u2"), ("shard", "<u2"), ("phase", "u1")])
-# Plain ints for the per-batch path (enum attribute lookups cost more than the comparisons).
-_DATA, _MAX_KIND = int(Kind.DATA), int(max(Kind))
-_TRUNCATED, _BAD_MAGIC, _BAD_VERSION = (
-    int(Reason.TRUNCATED),
-    int(Reason.BAD_MAGIC),
-    int(Reason.BAD_VERSION),
-)
-_BAD_KIND, _FOREIGN_JOB = int(Reason.BAD_KIND), int(Reason.FOREIGN_JOB)
-_OVERSIZED = int(Reason.OVERSIZED)
 
 
 class Endpoint:
@@ -100,6 +90,7 @@ class Endpoint:
         # One writable view per arena row, for drivers that receive straight into the arena.
         self._rx_rows = [row.data for row in self._rx]
         self._rx_n = 0
+        self._batch_key = np.zeros(4, dtype=np.int64)  # frame_rows' key of a batch's DATA
         self._rx_first = 0.0
         self._now = 0.0
         self._control: list[Datagram] = []
@@ -301,60 +292,56 @@ class Endpoint:
             return
         self._rx_n = 0
         arena, lengths, paths = self._rx[:n], self._rx_len[:n], self._rx_path[:n]
-        hv = header_view(arena)
-        reason = np.zeros(n, dtype=np.int64)
-        # Vectorised framing checks, in validate()'s order; the first failure wins.
-        kind = hv["kind"]
-        checks = (
-            (lengths > arena.shape[1], _OVERSIZED),
-            (lengths < HEADER_SIZE, _TRUNCATED),
-            (hv["magic"] != MAGIC, _BAD_MAGIC),
-            (hv["version"] != VERSION, _BAD_VERSION),
-            ((kind < _DATA) | (kind > _MAX_KIND), _BAD_KIND),
-            (hv["job"] != self.config.job, _FOREIGN_JOB),
+        data_rows = np.empty(n, dtype=np.int64)
+        ctrl_rows = np.empty(n, dtype=np.int64)
+        key = self._batch_key
+        # Framing checks (validate()'s first six, in its order; failures counted) and the split
+        # into DATA and control rows, in one pass: see transport._kernels_frame.
+        nd, nc, mixed = frame_rows(
+            arena, lengths, n, self.config.job, self.counters, data_rows, ctrl_rows, key
         )
-        for bad, why in reversed(checks):
-            reason[bad] = why
-        good = reason == 0
-        if not good.all():
-            self.counters += np.bincount(reason[~good], minlength=N_REASONS)[:N_REASONS]
-        is_data = good & (kind == _DATA)
-        data_rows = np.flatnonzero(is_data)
-        if data_rows.size:
-            self._flush_data(arena, lengths, paths, hv, data_rows, now)
-        for i in np.flatnonzero(good & ~is_data).tolist():
+        hv = header_view(arena) if mixed or nc else None
+        if nd:
+            rows = data_rows[:nd]
+            if mixed:
+                assert hv is not None
+                self._flush_data(arena, lengths, paths, self._groups(hv, rows), now)
+            else:
+                k = InKey(int(key[0]), int(key[1]), int(key[2]), int(key[3]))
+                self._flush_data(arena, lengths, paths, ((k, rows),), now)
+        for i in ctrl_rows[:nc].tolist():
             raw = arena[i, : lengths[i]].tobytes()
             why = validate(raw, self.session)
             if why != Reason.OK:
                 self.counters[why] += 1
                 continue
+            assert hv is not None
             rec = hv[i]
             fields = {name: int(rec[name]) for name in _CONTROL_FIELDS}
             self.counters[Reason.OK] += 1
             self._dispatch[fields["kind"]](raw, fields, int(paths[i]), now)
+
+    @staticmethod
+    def _groups(hv: np.ndarray, rows: np.ndarray) -> list[tuple[InKey, np.ndarray]]:
+        """DATA ``rows`` grouped by transfer key (a batch that mixes transfers)."""
+        keys = np.empty(rows.size, dtype=_KEY_DTYPE)
+        for name in _KEY_DTYPE.names or ():
+            keys[name] = hv[name][rows]
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        return [
+            (InKey(*(int(v) for v in k)), rows[inverse == g]) for g, k in enumerate(uniq.tolist())
+        ]
 
     def _flush_data(
         self,
         arena: np.ndarray,
         lengths: np.ndarray,
         paths: np.ndarray,
-        hv: np.ndarray,
-        rows: np.ndarray,
+        groups: Iterable[tuple[InKey, np.ndarray]],
         now: float,
     ) -> None:
-        fields = [hv[name][rows] for name in ("step", "bucket", "shard", "phase")]
-        if all((f == f[0]).all() for f in fields):
-            # The usual batch: every packet belongs to one transfer (no grouping needed).
-            groups = [(tuple(int(f[0]) for f in fields), rows)]
-        else:
-            keys = np.empty(rows.size, dtype=_KEY_DTYPE)
-            for name, f in zip(_KEY_DTYPE.names or (), fields, strict=True):
-                keys[name] = f
-            uniq, inverse = np.unique(keys, return_inverse=True)
-            inverse = inverse.reshape(-1)
-            groups = [(k, rows[inverse == g]) for g, k in enumerate(uniq.tolist())]
-        for k, grp in groups:
-            key = InKey(*(int(v) for v in k))
+        for key, grp in groups:
             t = self.receiver.transfers.get(key)
             if t is not None:
                 self.receiver.on_data(t, arena, lengths, grp, paths, now, self.session)
@@ -363,6 +350,7 @@ class Endpoint:
             # batch. Without a secret its tag is a checksum, which the receive kernel checks
             # when held data is replayed: not computing it here saves a slow pass over each
             # early 64 KB packet. With a secret, nothing unauthenticated is held or answered.
+            hv = header_view(arena)
             why = validate_data_rows(hv[grp], lengths[grp], self.session)
             if self.key.mode != TAG_FAST:
                 for j, i in enumerate(grp.tolist()):

@@ -12,6 +12,7 @@ from transport.packet import (
     HEADER_DTYPE,
     HEADER_SIZE,
     MAGIC,
+    N_REASONS,
     VERSION,
     DType,
     Header,
@@ -374,6 +375,81 @@ def test_batch_data_validation_equals_validate_without_the_tag(packets: list) ->
     session = SessionSpec(**{**SESSION.__dict__, "max_datagram": 4096})
     got = validate_data_rows(header_view(arena), lengths, session)
     assert got.tolist() == [int(validate(w, session, tag=False)) for w in wires]
+
+
+_FRAMING = (
+    Reason.OVERSIZED,
+    Reason.TRUNCATED,
+    Reason.BAD_MAGIC,
+    Reason.BAD_VERSION,
+    Reason.BAD_KIND,
+    Reason.FOREIGN_JOB,
+)
+
+
+@SETTINGS
+@given(
+    packets=st.lists(
+        st.tuples(
+            st.fixed_dictionaries(
+                {
+                    **NEAR_FIELDS,
+                    "kind": st.one_of(st.just(int(Kind.DATA)), st.integers(0, 12)),
+                    "job": st.sampled_from([7, 7, 7, 8]),
+                    # few keys, so DATA rows that differ in one field only are common
+                    **{k: st.integers(1, 2) for k in ("step", "bucket", "shard", "phase")},
+                }
+            ),
+            st.integers(0, 40),  # payload bytes
+            st.one_of(st.just(-1), st.integers(0, 11)),  # header byte to corrupt (-1: none)
+            st.one_of(st.just(0), st.integers(-60, 8)),  # change of the received length
+        ),
+        min_size=1,
+        max_size=16,
+    )
+)
+def test_batch_framing_equals_validate(packets: list) -> None:
+    """The endpoint's one-pass framing kernel counts, for every datagram failing one of
+    validate()'s framing checks, the reason validate gives; every other datagram lands in the
+    DATA or control list by its kind, and the DATA rows' key says whether they mix transfers."""
+    from transport._kernels_frame import frame_rows
+
+    width = HEADER_SIZE + 40
+    arena = np.zeros((len(packets), width), dtype=np.uint8)
+    lengths = np.zeros(len(packets), dtype=np.int32)
+    wires = []
+    for i, (f, n, flip, grow) in enumerate(packets):
+        w = bytearray(encode(Header(**f), bytes(n)))
+        if flip >= 0:
+            w[flip] ^= 0x5A
+        target = max(0, len(w) + grow)  # what the datagram really is on the wire
+        w = w[:target] + bytes(max(0, target - len(w)))
+        lengths[i] = target  # a receive call reports the whole length, past the row's end too
+        arena[i, : min(target, width)] = np.frombuffer(bytes(w[:width]), np.uint8)
+        wires.append(bytes(w))
+    counters = np.zeros(N_REASONS, dtype=np.int64)
+    data, ctrl = (np.full(len(packets), -1, np.int64) for _ in range(2))
+    key = np.zeros(4, np.int64)
+    nd, nc, mixed = frame_rows(arena, lengths, len(packets), SESSION.job, counters, data, ctrl, key)
+    session = SessionSpec(**{**SESSION.__dict__, "max_datagram": width})
+    want = np.zeros(N_REASONS, dtype=np.int64)
+    want_data, want_ctrl, keys = [], [], set()
+    for i, w in enumerate(wires):
+        why = validate(w, session, tag=False)
+        if why in _FRAMING:
+            want[why] += 1
+        elif w[3] == Kind.DATA:
+            want_data.append(i)
+            h = np.frombuffer(w[:HEADER_SIZE], HEADER_DTYPE)[0]
+            keys.add((int(h["step"]), int(h["bucket"]), int(h["shard"]), int(h["phase"])))
+        else:
+            want_ctrl.append(i)
+    assert counters.tolist() == want.tolist()
+    assert data[:nd].tolist() == want_data and ctrl[:nc].tolist() == want_ctrl
+    assert mixed == (len(keys) > 1)
+    if want_data:
+        h = np.frombuffer(wires[want_data[0]][:HEADER_SIZE], HEADER_DTYPE)[0]
+        assert key.tolist() == [int(h[k]) for k in ("step", "bucket", "shard", "phase")]
 
 
 def test_decode_header_raises_typed_errors() -> None:
