@@ -191,7 +191,11 @@ class ReceiverCore:
                 self.on_data(t, block, lengths, rows, paths, now, session)
         for data, path in self.early_control.pop(key, []):
             self.on_control(data, path, now, t_hint=t)
-        self._check(t, now)
+        if t.got >= t.expected or t.fin.any():
+            # Complete already (an empty shard, or early data), or a sender gave chunks up.
+            # Anything else is decided when data comes or at the transfer's first check time
+            # (_refresh_check): the loss policy has nothing to decide on before then.
+            self._check(t, now)
         return t
 
     # -- input --------------------------------------------------------------------------------
