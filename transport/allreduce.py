@@ -158,6 +158,7 @@ class _Collective:
     reduce_report: LossReport | None = None
     gather_reports: dict[int, LossReport] = field(default_factory=dict)
     gather_received: dict[int, np.ndarray] = field(default_factory=dict)
+    finish_by: float = 0.0  # while waiting for the peers' last acknowledgements
 
 
 class TransposeAllReduce:
@@ -180,6 +181,8 @@ class TransposeAllReduce:
         self.world = world
         self.config = self.endpoint.config
         self._running: dict[tuple[int, int], _Collective] = {}
+        # Complete collectives waiting (up to ack_wait_s) for their outgoing data to be acked.
+        self._waiting: dict[tuple[int, int], _Collective] = {}
         self._events: deque[Event] = deque()
 
     # -- collective API ------------------------------------------------------------------------
@@ -343,7 +346,11 @@ class TransposeAllReduce:
 
     def get_timer(self) -> float | None:
         """Next time ``handle_timer`` must run."""
-        return self.endpoint.get_timer()
+        when = self.endpoint.get_timer()
+        if self._waiting:
+            by = min(c.finish_by for c in self._waiting.values())
+            when = by if when is None else min(when, by)
+        return when
 
     def handle_timer(self, now: float) -> None:
         """Time-driven work of the endpoint, then of the collectives."""
@@ -366,6 +373,12 @@ class TransposeAllReduce:
                 self._on_transfer(ev.report, now)
             elif isinstance(ev, PeerTimedOut):
                 self._fail(ev, now)
+        if self._waiting:
+            sender = self.endpoint.sender
+            for key, c in list(self._waiting.items()):
+                if now >= c.finish_by or not sender.owes(c.step, c.bucket):
+                    del self._waiting[key]
+                    self._finish(c, now)
 
     def _on_transfer(self, rep: LossReport, now: float) -> None:
         c = self._running.get((rep.step, rep.bucket))
@@ -377,6 +390,16 @@ class TransposeAllReduce:
         else:
             c.gather_reports[rep.shard] = rep
         if c.reduce_report is not None and len(c.gather_reports) == self.world - 1:
+            self._conclude(c, now)
+
+    def _conclude(self, c: _Collective, now: float) -> None:
+        """Every shard is in. Finish now, or once the peers have acknowledged all this rank
+        sent (within ``ack_wait_s``): the buffers then go back without copying anything out."""
+        wait = self.config.ack_wait_s
+        if wait > 0 and self.endpoint.sender.owes(c.step, c.bucket):
+            c.finish_by = now + wait
+            self._waiting[(c.step, c.bucket)] = c
+        else:
             self._finish(c, now)
 
     def _start_gather(self, c: _Collective, now: float) -> None:
@@ -440,6 +463,7 @@ class TransposeAllReduce:
 
     def _fail(self, ev: PeerTimedOut, now: float) -> None:
         c = self._running.pop((ev.step, ev.bucket), None)
+        self._waiting.pop((ev.step, ev.bucket), None)
         if c is None:
             return
         self.endpoint.sender.detach(c.step, c.bucket)

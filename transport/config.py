@@ -70,6 +70,13 @@ class TransportConfig:
     """Block of the rotation (a power of two)."""
     step_window: int = 64
     """Steps ahead of/behind the newest seen that packets may claim; others are stale."""
+    ack_wait_s: float = 0.001
+    """A collective whose outgoing data is not all acknowledged when its result is complete
+    waits up to this long for the last acknowledgements before it hands the buffers back;
+    only what is still owed then is copied out (peers may still ask for it). The wait is
+    usually free — the peers that owe those acknowledgements finish later anyway — and it
+    saves copying, at the end of every collective, the part of the shard still in flight
+    (half of it, typically). 0 copies at once."""
     linger_s: float = 2.0
     """How long a finished transfer is remembered, to answer late packets with STOP."""
     early_buffer_bytes: int = 256 << 20
@@ -120,6 +127,8 @@ class TransportConfig:
             raise ConfigError(f"socket_buffer_bytes={self.socket_buffer_bytes}: at least 4096")
         if self.rotate_block < 1 or self.rotate_block & (self.rotate_block - 1):
             raise ConfigError(f"rotate_block={self.rotate_block}: must be a power of two")
+        if not 0.0 <= self.ack_wait_s <= 1.0:
+            raise ConfigError(f"ack_wait_s={self.ack_wait_s}: between 0 and 1 s (0 = no wait)")
         if self.step_window < 1:
             raise ConfigError("step_window must be >= 1")
         if not 0.0 <= self.inject_loss < 1.0:
@@ -234,9 +243,10 @@ def loopback_config(**overrides: Any) -> TransportConfig:
     delay-based controller, which then throttled a 100 MB all-reduce to a third of its speed.
     Sending passes of up to 256 datagrams per path (fewer, larger batches: 14% less time for
     4 ranks × 25 MB on 2 cores; the 16 MiB burst is what lets a pass reach 256 — with 4 MiB
-    it stopped at 64, which cost 8% more CPU at 2 ranks × 25 MB), and 64 MiB socket buffers (forced when permitted): with 4
-    ranks at 100 MB, 16 MiB ones overflowed (1.4% of the datagrams lost and resent, 25% more
-    time). What still overflows them is recovered like any loss.
+    it stopped at 64, which cost 8% more CPU at 2 ranks × 25 MB), and 64 MiB socket buffers
+    (forced when permitted): with 4 ranks at 100 MB, 16 MiB ones overflowed (1.4% of the
+    datagrams lost and resent, 25% more time). What still overflows them is recovered like
+    any loss.
     ``overrides`` replace any field (e.g. ``loss=LossConfig(...)``).
     """
     values: dict[str, Any] = {

@@ -10,7 +10,9 @@ Nothing is copied: a datagram is a header row plus a view of the caller's buffer
 driver sends with one gathering ``sendmsg`` (the kernel copies the payload once, as it must).
 The caller's buffer is therefore read until the transfer ends; :meth:`OutTransfer.release_source`
 copies the payloads still owed when the buffer must go back to the caller (a collective that
-completed or failed while peers may still need retransmissions). A payload that changed under a
+completed or failed while peers may still need retransmissions — the collective first waits a
+little for their acknowledgements, ``ack_wait_s``, so that usually nothing is left to copy), into
+a buffer that :class:`SparePayloads` recycles once the transfer ends. A payload that changed under a
 transfer cannot be delivered wrong: the tag in its header was computed from the original bytes,
 so the receiver rejects it (``bad_tag``).
 
@@ -51,6 +53,7 @@ __all__ = [
     "PENDING",
     "OutKey",
     "OutTransfer",
+    "SparePayloads",
 ]
 
 PENDING, INFLIGHT, LOST, ACKED, ABANDONED = 0, 1, 2, 3, 4
@@ -141,7 +144,7 @@ class OutTransfer:
         self.hdr_view = self.hdr.reshape(-1).data
         self.chunk_bytes = self.chunk_elems * ITEMSIZE[dtype]
         self.payload = np.ascontiguousarray(data).view(np.uint8).reshape(-1).data
-        self._owned = False
+        self._owned: np.ndarray | None = None  # the copied-out payload, once released
         self.state = np.zeros(n, dtype=np.uint8)
         self.sent_at = np.zeros(n, dtype=np.float64)
         self.path = np.zeros(n, dtype=np.int16)
@@ -182,25 +185,33 @@ class OutTransfer:
             tos,
         )
 
-    def release_source(self) -> None:
+    def release_source(self, spares: SparePayloads | None = None) -> None:
         """Stop reading the caller's buffer: copy out every payload that may still be sent —
-        any chunk not acknowledged, abandoned ones included (a NACK can still ask for one)."""
-        if self._owned:
+        any chunk not acknowledged, abandoned ones included (a NACK can still ask for one) —
+        into a buffer from ``spares`` (or a new one)."""
+        if self._owned is not None:
             return
-        self._owned = True
         src = np.frombuffer(self.payload, dtype=np.uint8)
-        owned = np.empty_like(src)  # pages never written are never touched
+        owned = spares.take(src.shape[0]) if spares is not None else np.empty_like(src)
         owed = np.flatnonzero(self.state != ACKED)
-        if owed.size * 2 > self.n_chunks:
-            owned[:] = src
-        elif owed.size:
-            # Every chunk but the last is a whole row of chunk_bytes: one gather copies them.
-            cb, last = self.chunk_bytes, self.n_chunks - 1
-            full = owed[owed < last]
-            owned[: last * cb].reshape(last, cb)[full] = src[: last * cb].reshape(last, cb)[full]
-            if owed[-1] == last:
-                owned[last * cb :] = src[last * cb :]
+        if owed.size:
+            # One slice copy per run of consecutive owed chunks: usually a single run (the tail
+            # still in flight), and never a temporary the size of what is copied.
+            cut = np.flatnonzero(np.diff(owed) != 1) + 1
+            first = owed[np.concatenate(([0], cut))] * self.chunk_bytes
+            end = np.minimum((owed[np.concatenate((cut - 1, [owed.size - 1]))] + 1)
+                             * self.chunk_bytes, src.shape[0])  # fmt: skip
+            for a, b in zip(first.tolist(), end.tolist(), strict=True):
+                owned[a:b] = src[a:b]
+        self._owned = owned
         self.payload = owned.data
+
+    def return_buffer(self, spares: SparePayloads) -> None:
+        """The transfer is over: hand its copied-out payload buffer (if any) to ``spares``."""
+        if self._owned is not None:
+            self.payload = memoryview(b"")
+            spares.give(self._owned)
+            self._owned = None
 
     # -- queries ---------------------------------------------------------------------------
     def next_class(self) -> int | None:
@@ -226,3 +237,31 @@ class OutTransfer:
                 self.cursor += int(pending[0])
                 return
             self.cursor += int(window.size)
+
+
+class SparePayloads:
+    """Buffers that held copied-out payloads (:meth:`OutTransfer.release_source`), kept for the
+    next copy: a new multi-megabyte array costs a page fault per 4 KiB page on its first write,
+    which in a busy process took several times as long as the copy itself. At most ``per_size``
+    buffers of each size and ``max_bytes`` in all are kept."""
+
+    def __init__(self, max_bytes: int = 128 << 20, per_size: int = 2) -> None:
+        self.max_bytes = max_bytes
+        self.per_size = per_size
+        self.bytes = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``nbytes`` (contents undefined)."""
+        free = self._free.get(nbytes)
+        if free:
+            self.bytes -= nbytes
+            return free.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Keep ``buf`` for a later :meth:`take` (if there is room); nobody may use it after."""
+        free = self._free.setdefault(buf.nbytes, [])
+        if len(free) < self.per_size and self.bytes + buf.nbytes <= self.max_bytes:
+            free.append(buf)
+            self.bytes += buf.nbytes

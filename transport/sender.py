@@ -40,6 +40,7 @@ from transport.outgoing import (
     PENDING,
     OutKey,
     OutTransfer,
+    SparePayloads,
 )
 from transport.packet import Kind
 
@@ -94,6 +95,7 @@ class SenderCore:
         self.stats: dict[tuple[int, int], _ClassStats] = {}
         self._control: list[Datagram] = []
         self._probe_seq = 0
+        self._spares = SparePayloads()  # payload buffers of detached transfers, for reuse
         self._probe_sent: dict[tuple[int, int], tuple[int, float]] = {}
         self._now = 0.0
         self._sendable: set[OutKey] = set()
@@ -179,7 +181,12 @@ class SenderCore:
         retransmissions (the payloads still owed are copied)."""
         for t in self.transfers.values():
             if t.key.step == step and t.key.bucket == bucket:
-                t.release_source()
+                t.release_source(self._spares)
+
+    def owes(self, step: int, bucket: int) -> bool:
+        """True while an outgoing transfer of (step, bucket) is not over (some chunk is neither
+        acknowledged nor settled by the receiver's STOP)."""
+        return any(k.step == step and k.bucket == bucket for k in self.transfers)
 
     def forget_stats(self, step: int, bucket: int) -> None:
         """Drop the per-(step, bucket) counters once reported."""
@@ -617,6 +624,7 @@ class SenderCore:
         if t.n_inflight:
             self._release(t, np.flatnonzero(t.state == INFLIGHT))
         t.done = True
+        t.return_buffer(self._spares)
         self.transfers.pop(t.key, None)
         self._sendable.discard(t.key)
 

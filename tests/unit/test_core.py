@@ -370,6 +370,8 @@ def test_bad_config_is_a_clear_error():
         TransportConfig(pacing={"controller": "fixed"})  # a dict: only from_mapping builds it
     with pytest.raises(ConfigError, match="socket_buffer_bytes"):
         TransportConfig(socket_buffer_bytes=0)
+    with pytest.raises(ConfigError, match="ack_wait_s"):
+        TransportConfig(ack_wait_s=-0.001)
     assert TransportConfig.from_mapping({"pacing": {"controller": "fixed"}}).pacing.controller == (
         "fixed"
     )
@@ -546,7 +548,7 @@ def test_in_place_result_is_exact(world, dtype, rotate):
     datas = [rng.standard_normal(5003).astype(dtype) for _ in range(world)]
     expect = np.sum([d.astype(np.float64) for d in datas], axis=0)
     bufs = [d.copy() for d in datas]
-    wire = Wire(eps, jitter=2e-4, seed=7, drop=lambda src, dg, q: q % 7 == 3)
+    wire = Wire(eps, jitter=2e-4, seed=7, drop=lambda src, dg, q: q % 5 == 2)
     for r, ep in enumerate(eps):
         ep.start(1, 0, bufs[r], layer_position=0.5, now=0.0, out=bufs[r])
     wire.run(lambda: sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == world)
@@ -599,6 +601,98 @@ def test_data_payloads_are_views_of_the_callers_buffer_until_detached():
         np.shares_memory(np.frombuffer(d.payload, np.uint8), x)
         for d in t.run(every, np.zeros_like(every), 0)
     )
+
+
+def _count_copies(monkeypatch) -> list[int]:
+    """Patch ``OutTransfer.release_source`` to record how many chunks each call copies."""
+    from transport.outgoing import OutTransfer
+
+    copied: list[int] = []
+    release = OutTransfer.release_source
+
+    def counting(self, spares=None):
+        if self._owned is None:
+            copied.append(int(np.count_nonzero(self.state != ACKED)))
+        release(self, spares)
+
+    monkeypatch.setattr(OutTransfer, "release_source", counting)
+    return copied
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_completion_waits_for_the_last_acks_instead_of_copying(monkeypatch, world):
+    """A rank whose shards are all in while its own gather data is still unacknowledged waits
+    (at most ack_wait_s) for the acknowledgements, so no payload is copied out of the caller's
+    buffer; with ack_wait_s = 0 the same run copies them (the test can fail)."""
+    rng = np.random.default_rng(world)
+    datas = [rng.standard_normal(20_000).astype(np.float32) for _ in range(world)]
+    expect = np.sum(datas, axis=0, dtype=np.float64)
+    for wait, copies in ((0.01, False), (0.0, True)):
+        copied = _count_copies(monkeypatch)
+        eps = make(world, ack_wait_s=wait)
+        out = run_allreduce(eps, datas, Wire(eps, latency=50e-6, jitter=20e-6, seed=world))
+        for e in out.values():
+            np.testing.assert_allclose(e.result, expect, rtol=1e-5, atol=1e-5)
+        assert (sum(copied) > 0) == copies, (wait, copied)
+
+
+def test_copied_out_payload_buffers_are_recycled_without_corrupting_retransmissions(monkeypatch):
+    """With no ack wait, payloads are copied out at every completion; the copies' buffers go back
+    to the sender's spares when their transfers end and serve later collectives, while a lossy,
+    reordering wire keeps retransmitting from them: every step stays exact."""
+    from transport.outgoing import SparePayloads
+
+    reused = []
+    take = SparePayloads.take
+
+    def counting_take(self, nbytes):
+        reused.append(bool(self._free.get(nbytes)))
+        return take(self, nbytes)
+
+    monkeypatch.setattr(SparePayloads, "take", counting_take)
+    eps = make(2, ack_wait_s=0.0)
+    wire = Wire(eps, jitter=2e-4, seed=11, drop=lambda src, dg, q: q % 5 == 2)
+    rng = np.random.default_rng(11)
+    for step in range(1, 7):
+        datas = [rng.standard_normal(2000).astype(np.float32) for _ in range(2)]
+        out = run_allreduce(eps, datas, wire, step=step)
+        for e in out.values():
+            np.testing.assert_allclose(e.result, datas[0] + datas[1], rtol=1e-6)
+    assert any(reused) and len(reused) > 2
+
+
+def test_spare_payloads_keep_a_bounded_number_of_buffers():
+    from transport.outgoing import SparePayloads
+
+    spares = SparePayloads(max_bytes=300, per_size=2)
+    a, b, c = (np.empty(100, np.uint8) for _ in range(3))
+    for buf in (a, b, c):
+        spares.give(buf)
+    assert spares.bytes == 200  # two of a size
+    spares.give(np.empty(150, np.uint8))  # over max_bytes: dropped
+    assert spares.bytes == 200
+    assert {id(spares.take(100)), id(spares.take(100))} == {id(a), id(b)}
+    assert spares.bytes == 0 and spares.take(100).shape == (100,)  # empty: a new one
+
+
+def test_the_wait_for_acks_is_bounded_by_ack_wait_s():
+    """Acknowledgements that never come (all of rank 1's ACKs and STOPs are lost) hold rank 0's
+    completion back by ack_wait_s exactly, then what is owed is copied out; the result is
+    unchanged."""
+
+    def no_acks_from_1(src, dg, q):
+        return src == 1 and kind_of(dg) in (Kind.ACK, Kind.STOP)
+
+    rng = np.random.default_rng(5)
+    datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
+    done_at = {}
+    for wait in (0.0, 0.004):
+        eps = make(2, ack_wait_s=wait)
+        wire = Wire(eps, drop=no_acks_from_1)
+        out = run_allreduce(eps, datas, wire)
+        np.testing.assert_allclose(out[0].result, datas[0] + datas[1], rtol=1e-6)
+        done_at[wait] = [t for r, t, e in wire.events if r == 0 and e.step == 1]
+    assert done_at[0.004][0] - done_at[0.0][0] == pytest.approx(0.004, abs=1e-9)
 
 
 def test_payload_changed_under_a_live_transfer_is_rejected_not_applied():
