@@ -5,8 +5,8 @@ Python loop of ``sendmsg`` / ``recv_into`` adds ~5 µs per datagram on each side
 argument parsing and the bookkeeping around it) — a third on top of the kernel's own work. One
 ``sendmmsg`` carries a whole run of datagrams (header row plus payload view each, gathered by the
 kernel, no copy in user space) and one ``recvmmsg`` fills many rows of the receive arena. The
-message and iovec tables are NumPy arrays filled with vector operations; the calls go through
-``ctypes``, which releases the GIL while the kernel works.
+message and iovec tables are NumPy arrays (a small compiled pass fills a run's rows, grouped by
+path); the calls go through ``ctypes``, which releases the GIL while the kernel works.
 
 Only 64-bit Linux with glibc's (or a compatible) ``struct mmsghdr`` layout is supported;
 :data:`AVAILABLE` is False elsewhere, and the adapter then keeps its one-call-per-datagram path.
@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 __all__ = ["AVAILABLE", "MSG_DTYPE", "RecvTable", "SendTable", "sockaddr"]
 
@@ -96,7 +97,11 @@ def address_of(buf: Any) -> int:
 
 
 class SendTable:
-    """Message and iovec tables for ``sendmmsg``: two iovecs per datagram (header, payload)."""
+    """Message and iovec tables for ``sendmmsg``: two iovecs per datagram (header, payload).
+
+    :meth:`fill` lays a run's datagrams out grouped by path (one compiled pass); :meth:`send`
+    then sends a group of rows with as many ``sendmmsg`` calls as the kernel needs.
+    """
 
     def __init__(self, capacity: int = 256) -> None:
         self._grow(capacity)
@@ -107,39 +112,46 @@ class SendTable:
         self.iov = np.zeros((capacity, 2, 2), dtype=np.uint64)
         self.msgs["iov"] = self.iov.ctypes.data + np.arange(capacity, dtype=np.uint64) * (2 * _IOV)
         self.msgs["iovlen"] = 2
+        self.order = np.zeros(capacity, dtype=np.int64)
         self._base = int(self.msgs.ctypes.data)
 
-    def send(
+    def fill(
         self,
-        fd: int,
-        name: np.ndarray,
-        hdr_addrs: np.ndarray,
+        hdr_base: int,
         header_bytes: int,
-        pay_addrs: np.ndarray,
-        pay_sizes: np.ndarray,
-    ) -> tuple[int, int]:
-        """Send ``len(hdr_addrs)`` datagrams (header at ``hdr_addrs[i]``, payload at
-        ``pay_addrs[i]`` of ``pay_sizes[i]`` bytes) to the address ``name`` on socket ``fd``.
-
-        Returns ``(sent, err)``: how many went out from the start, and the ``errno`` that
-        stopped the call before the end (0 when all went out). ``EINTR`` is retried here.
-        """
-        n = int(hdr_addrs.shape[0])
+        chunks: np.ndarray,
+        pay_base: int,
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        paths: np.ndarray,
+        n_paths: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Lay out datagram ``i`` (header row ``chunks[i]`` of ``header_bytes`` at ``hdr_base``,
+        payload ``sizes[i]`` bytes at ``pay_base + starts[i]``) in the rows of its path
+        (``paths[i]`` in ``0 .. n_paths - 1``): path 0's rows first, each path's in run order,
+        and ``order[row]`` = the datagram's position in the run. Returns the datagrams and the
+        payload bytes per path."""
+        n = int(chunks.shape[0])
         if n > self.capacity:
             self._grow(max(n, 2 * self.capacity))
-        iov = self.iov
-        iov[:n, 0, 0] = hdr_addrs
-        iov[:n, 0, 1] = header_bytes
-        iov[:n, 1, 0] = pay_addrs
-        iov[:n, 1, 1] = pay_sizes
+        counts = np.zeros(n_paths, dtype=np.int64)
+        nbytes = np.zeros(n_paths, dtype=np.int64)
+        _fill(self.iov, self.order, counts, nbytes, hdr_base, header_bytes, chunks, pay_base,
+              starts, sizes, paths)  # fmt: skip
+        return counts, nbytes
+
+    def send(self, fd: int, name: np.ndarray, first: int, count: int) -> tuple[int, int]:
+        """Send the ``count`` filled rows from ``first`` to the address ``name`` on socket
+        ``fd``. Returns ``(sent, err)``: how many went out from ``first``, and the ``errno``
+        that stopped the call before the end (0 when all went out). ``EINTR`` is retried."""
         msgs = self.msgs
-        msgs["name"][:n] = name.ctypes.data
-        msgs["namelen"][:n] = name.shape[0]
+        msgs["name"][first : first + count] = name.ctypes.data
+        msgs["namelen"][first : first + count] = name.shape[0]
         assert _calls is not None
         call = _calls[0]
         sent = 0
-        while sent < n:
-            k = call(fd, self._base + sent * MSG_DTYPE.itemsize, n - sent, 0)
+        while sent < count:
+            k = call(fd, self._base + (first + sent) * MSG_DTYPE.itemsize, count - sent, 0)
             if k > 0:
                 sent += k
                 continue
@@ -148,6 +160,46 @@ class SendTable:
                 continue
             return sent, err
         return sent, 0
+
+
+@njit(nogil=True, cache=True)
+def _fill(
+    iov: np.ndarray,
+    order: np.ndarray,
+    counts: np.ndarray,
+    nbytes: np.ndarray,
+    hdr_base: int,
+    hb: int,
+    chunks: np.ndarray,
+    pay_base: int,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    paths: np.ndarray,
+) -> None:
+    # A stable counting sort by path: one pass to count, one to place. What it replaced — a
+    # dozen NumPy operations per path to compute addresses, group and copy them into the
+    # table — cost ~100 µs per run of 256 datagrams.
+    n_paths = counts.shape[0]
+    for i in range(chunks.shape[0]):
+        q = paths[i]
+        if q < 0 or q >= n_paths:
+            raise ValueError("SendTable.fill: a path outside 0 .. n_paths - 1")
+        counts[q] += 1
+        nbytes[q] += sizes[i]
+    at = np.empty(n_paths, dtype=np.int64)
+    row = 0
+    for q in range(n_paths):
+        at[q] = row
+        row += counts[q]
+    for i in range(chunks.shape[0]):
+        q = paths[i]
+        r = at[q]
+        at[q] = r + 1
+        iov[r, 0, 0] = hdr_base + chunks[i] * hb
+        iov[r, 0, 1] = hb
+        iov[r, 1, 0] = pay_base + starts[i]
+        iov[r, 1, 1] = sizes[i]
+        order[r] = i
 
 
 class RecvTable:

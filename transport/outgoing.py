@@ -245,7 +245,7 @@ class SparePayloads:
     which in a busy process took several times as long as the copy itself. At most ``per_size``
     buffers of each size and ``max_bytes`` in all are kept."""
 
-    def __init__(self, max_bytes: int = 128 << 20, per_size: int = 2) -> None:
+    def __init__(self, max_bytes: int = 128 << 20, per_size: int = 4) -> None:
         self.max_bytes = max_bytes
         self.per_size = per_size
         self.bytes = 0

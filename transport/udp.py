@@ -249,38 +249,49 @@ class UdpPaths:
 
     def _send_run(self, run: DatagramRun) -> None:
         """One ``sendmmsg`` per path of the run (usually one or two): no Python per datagram."""
-        assert self._tx_table is not None
-        hb = run.header_bytes
-        hdr_addrs = _mmsg.address_of(run.hdr) + run.chunks * hb
-        pay_addrs = _mmsg.address_of(run.payload) + run.starts
-        sizes, paths = run.sizes, run.paths
-        first = int(paths[0])
-        if (paths == first).all():  # the usual case: one path
-            groups = [(first, np.arange(len(run)))]
-        else:
-            groups = [(q, np.flatnonzero(paths == q)) for q in np.unique(paths).tolist()]
+        table = self._tx_table
+        assert table is not None
+        hb, sizes, n = run.header_bytes, run.sizes, len(run)
+        if n == 0:
+            return
+        counts, nbytes = table.fill(
+            _mmsg.address_of(run.hdr),
+            hb,
+            run.chunks,
+            _mmsg.address_of(run.payload),
+            run.starts,
+            sizes,
+            run.paths,
+            int(run.paths.max()) + 1,
+        )
         c = self.counters
-        for q, idx in groups:
+        end = 0
+        for q, cnt in enumerate(counts.tolist()):
+            if not cnt:
+                continue
+            first, end = end, end + cnt
             r = self._routes.get((run.peer, q, run.tos)) or self._route(run.peer, q, run.tos)
             if r is None:
-                c.unroutable += int(idx.shape[0])
+                c.unroutable += cnt
                 continue
             tr, sock, dest, fallback, name = r
             if name is None:  # an address sendmmsg cannot take: one at a time
-                self._send_each(_select(run, idx))
+                self._send_each(_select(run, table.order[first:end]))
                 continue
-            h, p, s = hdr_addrs[idx], pay_addrs[idx], sizes[idx]
-            n, i, fd = int(idx.shape[0]), 0, sock.fileno()
-            while i < n:
-                sent, err = self._tx_table.send(fd, name, h[i:], hb, p[i:], s[i:])
+            i, fd = first, sock.fileno()
+            while i < end:
+                sent, err = table.send(fd, name, i, end - i)
                 c.tx_datagrams += sent
                 c.tos_fallback += fallback * sent
-                c.tx_bytes += sent * hb + int(s[i : i + sent].sum())
+                if sent == cnt:
+                    c.tx_bytes += cnt * hb + int(nbytes[q])
+                else:
+                    c.tx_bytes += sent * hb + int(sizes[table.order[i : i + sent]].sum())
                 i += sent
-                if i >= n:
+                if i >= end:
                     break
                 if err in _AGAIN:  # the socket's buffer is full: the transport queues copies
-                    for dg in _select(run, idx[i:]):
+                    for dg in _select(run, table.order[i:end]):
                         tr.sendto(dg.wire(), dest)
                         c.tx_datagrams += 1
                         c.tos_fallback += fallback

@@ -13,6 +13,7 @@ import pytest
 from transport import _mmsg, udp
 from transport.config import TransportConfig
 from transport.engine import Engine
+from transport.events import DatagramRun
 from transport.rendezvous import StaticPeers
 
 pytestmark = pytest.mark.skipif(not _mmsg.AVAILABLE, reason="sendmmsg/recvmmsg: Linux only")
@@ -44,14 +45,18 @@ def test_a_run_goes_out_and_comes_back_byte_for_byte(pair):
     payload = rng.integers(0, 256, int(sizes.sum()), dtype=np.uint8)
     order = rng.permutation(n)  # rows in any order, as a sender's run picks chunks
     table = _mmsg.SendTable(capacity=4)  # grows to fit
-    sent, err = table.send(
-        tx.fileno(),
-        _mmsg.sockaddr(rx.getsockname()),
-        hdr.ctypes.data + order * hb,
+    counts, nbytes = table.fill(
+        hdr.ctypes.data,
         hb,
-        payload.ctypes.data + starts[order],
+        order,
+        payload.ctypes.data,
+        starts[order],
         sizes[order],
+        np.zeros(n, dtype=np.int64),
+        1,
     )
+    assert counts.tolist() == [n] and nbytes.tolist() == [int(sizes.sum())]
+    sent, err = table.send(tx.fileno(), _mmsg.sockaddr(rx.getsockname()), 0, n)
     assert (sent, err) == (n, 0)
     arena = np.zeros((64, 4096), dtype=np.uint8)
     got = _mmsg.RecvTable(arena)
@@ -68,6 +73,29 @@ def test_a_run_goes_out_and_comes_back_byte_for_byte(pair):
     assert lengths.size == 0 and err == 0
 
 
+def test_a_run_is_laid_out_grouped_by_path_in_run_order():
+    """fill() is a stable counting sort: path 0's datagrams first, each path's in run order,
+    with their header and payload addresses, and per-path datagram and byte counts."""
+    rng = np.random.default_rng(2)
+    n, hb = 300, 48
+    chunks = rng.permutation(n)
+    starts = rng.integers(0, 10**6, n).astype(np.int64)
+    sizes = rng.integers(1, 65000, n).astype(np.int64)
+    paths = rng.integers(0, 3, n).astype(np.int64)
+    paths[paths == 1] = 2  # a path with no datagram
+    table = _mmsg.SendTable(capacity=8)
+    counts, nbytes = table.fill(1000, hb, chunks, 5000, starts, sizes, paths, 4)
+    want = np.argsort(paths, kind="stable")
+    assert table.order[:n].tolist() == want.tolist()
+    assert counts.tolist() == np.bincount(paths, minlength=4).tolist()
+    assert nbytes.tolist() == np.bincount(paths, weights=sizes, minlength=4).astype(int).tolist()
+    iov = table.iov[:n]
+    assert (iov[:, 0, 0] == 1000 + chunks[want] * hb).all() and (iov[:, 0, 1] == hb).all()
+    assert (iov[:, 1, 0] == 5000 + starts[want]).all() and (iov[:, 1, 1] == sizes[want]).all()
+    with pytest.raises(ValueError, match="path outside"):
+        table.fill(1000, hb, chunks, 5000, starts, sizes, paths, 2)
+
+
 def test_a_datagram_longer_than_a_row_reads_as_oversized(pair):
     rx, tx = pair
     for size in (100, 5000, 4096):
@@ -76,6 +104,62 @@ def test_a_datagram_longer_than_a_row_reads_as_oversized(pair):
     lengths, err = table.receive(rx.fileno(), 0, 8)
     assert err == 0
     assert lengths.tolist() == [100, 4097, 4096]  # 4097: truncated (the caller's "oversized")
+
+
+@pytest.mark.timeout(30)
+def test_a_run_over_two_paths_reaches_each_and_refused_datagrams_are_counted():
+    """The driver sends a run sprayed over two paths with one sendmmsg per path: each peer
+    address gets exactly its path's datagrams, byte for byte and in run order; a path whose
+    address the kernel refuses (port 0) counts each of its datagrams as a send error and the
+    other path's still go out."""
+    import asyncio
+
+    hb, n = 48, 24
+    rng = np.random.default_rng(5)
+    hdr = rng.integers(0, 256, (n, hb), dtype=np.uint8)
+    payload = rng.integers(0, 256, n * 1000, dtype=np.uint8)
+    chunks = rng.permutation(n).astype(np.int64)
+    sizes = rng.integers(1, 1000, n).astype(np.int64)
+    paths = rng.integers(0, 2, n).astype(np.int64)
+    run = DatagramRun(hdr.reshape(-1).data, hb, payload.data, chunks, chunks * 1000, sizes, 0,
+                      paths, 0)  # fmt: skip
+    want = [hdr[c].tobytes() + payload[c * 1000 : c * 1000 + s].tobytes()
+            for c, s in zip(chunks.tolist(), sizes.tolist(), strict=True)]  # fmt: skip
+    peers = []
+    for host in ("127.0.0.1", "127.0.0.2"):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((host, 0))
+        s.settimeout(5)
+        peers.append(s)
+
+    async def send(peer_addrs: list) -> udp.UdpCounters:
+        u = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
+                         bufsize=1 << 20)  # fmt: skip
+        try:
+            await u.open([("127.0.0.1", 0), ("127.0.0.2", 0)])
+            u.set_peers([peer_addrs])
+            u.send([run])
+            return u.counters
+        finally:
+            await u.wait_closed()
+
+    try:
+        assert udp._mmsg.AVAILABLE
+        c = asyncio.run(send([p.getsockname() for p in peers]))
+        assert c.tx_datagrams == n and c.tx_errors == 0
+        assert c.tx_bytes == n * hb + int(sizes.sum())
+        for q, sock in enumerate(peers):
+            mine = [w for w, p in zip(want, paths.tolist(), strict=True) if p == q]
+            assert [sock.recv(4096) for _ in mine] == mine
+        c = asyncio.run(send([peers[0].getsockname(), ("127.0.0.1", 0)]))
+        n1 = int((paths == 1).sum())
+        assert c.tx_errors == n1 and c.tx_datagrams == n - n1
+        assert [peers[0].recv(4096) for _ in range(n - n1)] == [
+            w for w, p in zip(want, paths.tolist(), strict=True) if p == 0
+        ]
+    finally:
+        for s in peers:
+            s.close()
 
 
 def test_sockaddr_layouts():
