@@ -19,7 +19,7 @@ import numpy as np
 from scheduling.loss import LossPolicy
 from scheduling.pacing import Pacer
 from scheduling.priority import make_priority_policy
-from transport._kernels_frame import frame_rows
+from transport._kernels_batch import frame_rows
 from transport.config import TransportConfig
 from transport.events import Datagram, DatagramRun, Event
 from transport.packet import (
@@ -296,7 +296,7 @@ class Endpoint:
         ctrl_rows = np.empty(n, dtype=np.int64)
         key = self._batch_key
         # Framing checks (validate()'s first six, in its order; failures counted) and the split
-        # into DATA and control rows, in one pass: see transport._kernels_frame.
+        # into DATA and control rows, in one pass: see transport._kernels_batch.
         nd, nc, mixed = frame_rows(
             arena, lengths, n, self.config.job, self.counters, data_rows, ctrl_rows, key
         )

@@ -35,6 +35,7 @@ import numpy as np
 
 from scheduling.loss import Decision, LossPolicy
 from transport import kernels
+from transport._kernels_batch import note_arrivals
 from transport.config import TransportConfig
 from transport.errors import PeerTimeout
 from transport.events import Datagram, Event, LossReport, PeerTimedOut, TransferComplete
@@ -61,10 +62,6 @@ class InKey(NamedTuple):
     bucket: int
     shard: int
     phase: int
-
-
-# Plain ints for the per-batch path (enum attribute lookups cost more than the comparisons).
-_OK, _DUPLICATE = int(Reason.OK), int(Reason.DUPLICATE)
 
 
 class InTransfer:
@@ -212,7 +209,7 @@ class ReceiverCore:
         """Reduce (or place) a batch of DATA rows of ``arena`` belonging to ``t``."""
         verdicts = np.zeros(rows.shape[0], dtype=np.uint8)
         if t.gather:
-            accepted = kernels.place_into(
+            kernels.place_into(
                 arena,
                 lengths,
                 t.target,
@@ -225,7 +222,7 @@ class ReceiverCore:
                 verdicts=verdicts,
             )
         else:
-            accepted = kernels.reduce_into(
+            kernels.reduce_into(
                 arena,
                 lengths,
                 t.target,
@@ -237,36 +234,30 @@ class ReceiverCore:
                 rows=rows,
                 verdicts=verdicts,
             )
-        is_dup = verdicts == _DUPLICATE
-        n_dup = int(np.count_nonzero(is_dup))
+        # The ACK state follows the judged rows (see transport._kernels_batch.note_arrivals).
+        n_ok, n_dup, nbytes = note_arrivals(
+            arena,
+            lengths,
+            rows,
+            verdicts,
+            paths,
+            t.spec.src_lo,
+            now,
+            now + self.config.ack_delay_s,
+            t.new_since_ack,
+            t.trigger,
+            t.trigger_at,
+            t.path,
+            t.ack_due,
+        )
         t.duplicates += n_dup
-        t.rejected += rows.shape[0] - int(accepted) - n_dup
-        if accepted:
+        t.rejected += rows.shape[0] - n_ok - n_dup
+        if n_ok:
             if t.nack_at == -np.inf:  # data asked for again says nothing of the normal pace
                 t.last_data_at = now
-            ok = rows[verdicts == _OK] if accepted < rows.shape[0] else rows
-            hdr = arena[ok, :48]
-            src = hdr[:, 20].astype(np.int64) | (hdr[:, 21].astype(np.int64) << 8)
-            chunk = (hdr[:, 24:28].astype(np.int64) << np.array([0, 8, 16, 24])).sum(axis=1)
-            r = src - t.spec.src_lo
-            t.got += int(accepted)
-            t.bytes_received += int(lengths[ok].sum())
-            np.add.at(t.new_since_ack, r, 1)
-            # The newest arrival per sender triggers its ACK (RTT sample) and picks its path.
-            t.trigger[r] = chunk
-            t.trigger_at[r] = now
-            t.path[r] = paths[ok]
-            first = np.isinf(t.ack_due[r])
-            t.ack_due[r[first]] = now + self.config.ack_delay_s
-            self._ack_pending[t.key] = t
-        if n_dup:
-            dup = rows[is_dup]
-            # A duplicate means our ACK was lost or late: acknowledge again soon.
-            hdr = arena[dup, :48]
-            src = hdr[:, 20].astype(np.int64) | (hdr[:, 21].astype(np.int64) << 8)
-            r = src - t.spec.src_lo
-            valid = (r >= 0) & (r < t.received.shape[0])
-            t.ack_due[r[valid]] = np.minimum(t.ack_due[r[valid]], now + self.config.ack_delay_s)
+            t.got += n_ok
+            t.bytes_received += nbytes
+        if n_ok or n_dup:
             self._ack_pending[t.key] = t
         if t.got >= t.expected:
             self._complete(t, now, degraded=False)

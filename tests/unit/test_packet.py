@@ -412,7 +412,7 @@ def test_batch_framing_equals_validate(packets: list) -> None:
     """The endpoint's one-pass framing kernel counts, for every datagram failing one of
     validate()'s framing checks, the reason validate gives; every other datagram lands in the
     DATA or control list by its kind, and the DATA rows' key says whether they mix transfers."""
-    from transport._kernels_frame import frame_rows
+    from transport._kernels_batch import frame_rows
 
     width = HEADER_SIZE + 40
     arena = np.zeros((len(packets), width), dtype=np.uint8)
