@@ -408,8 +408,8 @@ def _count(fraction: float, n: int, *, at_least_one: bool) -> int:
 def _descending_rank(norms: np.ndarray) -> np.ndarray:
     """Rank of each chunk in descending norm order, ties → lower chunk index first."""
     n = norms.shape[0]
-    # lexsort sorts by the last key first; the index key makes the order total and deterministic.
-    order = np.lexsort((np.arange(n), -norms.astype(np.float64)))
+    # A stable sort keeps equal norms in chunk order: the order is total and deterministic.
+    order = np.argsort(-norms.astype(np.float64), kind="stable")
     rank = np.empty(n, dtype=np.int64)
     rank[order] = np.arange(n)
     return rank

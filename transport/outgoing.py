@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from scheduling.loss import LossPolicy
-from scheduling.priority import PriorityPolicy, send_order_key
+from scheduling.priority import PriorityPolicy
 from transport import kernels
 from transport.config import TransportConfig
 from transport.events import DatagramRun
@@ -149,10 +149,10 @@ class OutTransfer:
         self.sent_at = np.zeros(n, dtype=np.float64)
         self.path = np.zeros(n, dtype=np.int16)
         self.tx = np.zeros(n, dtype=np.uint8)
-        # Send order: by class, then chunk index; the layer position is per transfer (heap key).
-        self.order = np.argsort(
-            send_order_key(self.prio, self.layer_position, np.arange(n)), kind="stable"
-        ).astype(np.int64)
+        # Send order: by class, then chunk index — send_order_key's order for one transfer, whose
+        # chunks share one layer position (transfers are merged by the sender's heap): a stable
+        # sort of the classes is that order, without building the keys.
+        self.order = np.argsort(self.prio, kind="stable").astype(np.int64, copy=False)
         self.cursor = 0
         self.n_lost = 0
         self.n_inflight = 0

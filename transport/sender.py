@@ -398,12 +398,13 @@ class SenderCore:
         peers = {t.key.dst for t in self.transfers.values()}
         for peer in peers:
             self.paths[peer].tick(now)
+        rtos = {peer: self._path_rtos(peer) for peer in peers}  # once per peer, not per transfer
         for t in list(self.transfers.values()):
             if now >= t.hard_deadline:
                 log.debug("sender gives up %s at the hard deadline", t.key)
                 self._retire(t)
                 continue
-            late = self._timed_out(t, now)
+            late = self._timed_out(t, now, rtos[t.key.dst])
             if late.size:
                 # Exponential backoff only for consecutive timeouts (a retransmission that timed
                 # out again), as in RFC 6298; any acknowledgement resets it.
@@ -432,12 +433,13 @@ class SenderCore:
             return range(self._n_paths)
         return ((self.me + peer) % self._n_paths,)
 
-    def _timed_out(self, t: OutTransfer, now: float) -> np.ndarray:
-        """In-flight chunks older than their own path's retransmission timeout."""
+    def _timed_out(self, t: OutTransfer, now: float, path_rtos: np.ndarray) -> np.ndarray:
+        """In-flight chunks older than their own path's retransmission timeout (``path_rtos``:
+        :meth:`_path_rtos` of the transfer's peer)."""
         if not t.n_inflight:
             return np.empty(0, dtype=np.int64)
         inflight = np.flatnonzero(t.state == INFLIGHT)
-        rtos = self._path_rtos(t.key.dst) * t.rto_backoff
+        rtos = path_rtos * t.rto_backoff
         return inflight[t.sent_at[inflight] + rtos[t.path[inflight]] <= now]
 
     def _path_rtos(self, peer: int) -> np.ndarray:

@@ -318,6 +318,19 @@ def test_send_order_key_order() -> None:
     assert order.tolist() == [4, 1, 2, 3, 0]
 
 
+@DETERMINISTIC
+@given(
+    prio=st.lists(st.integers(0, 7), max_size=80),
+    pos=st.floats(0.0, 1.0),
+)
+def test_one_transfers_send_order_is_a_stable_sort_of_its_classes(prio, pos) -> None:
+    """What OutTransfer uses instead of building keys: for one transfer (one layer position,
+    chunks 0..n-1) a stable argsort of the classes is send_order_key's order."""
+    p = np.array(prio, dtype=np.uint8)
+    key = send_order_key(p, pos, np.arange(p.size))
+    assert np.argsort(p, kind="stable").tolist() == np.argsort(key, kind="stable").tolist()
+
+
 def test_send_order_key_scalar_position() -> None:
     key = send_order_key(np.array([2, 0, 2], np.uint8), 0.25, np.arange(3))
     assert np.argsort(key, kind="stable").tolist() == [1, 0, 2]
