@@ -29,7 +29,7 @@ import numpy as np
 from scheduling.loss import LossPolicy
 from scheduling.pacing import Pacer
 from scheduling.paths import PathSet
-from scheduling.priority import PriorityPolicy
+from scheduling.priority import MAX_CLASSES, PriorityPolicy
 from transport import kernels
 from transport.config import TransportConfig
 from transport.events import Datagram, DatagramRun, SenderReport
@@ -355,7 +355,13 @@ class SenderCore:
             if avail <= 0:
                 blocked.add(peer)
                 continue
-            sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out)
+            # The classes after ``cls`` may go in the same batch while no other transfer to
+            # this peer has chunks of a class that must precede them: only transfers sharing a
+            # peer's pacers and paths compete (and all of them when a NIC cap is shared).
+            upto = cls
+            if nic is None:
+                upto = min((c for c, _, _, k in heap if k.dst == peer), default=MAX_CLASSES) - 1
+            sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out, upto)
             budget -= sent
             allowance[peer] -= nbytes
             local_left -= nbytes
@@ -509,8 +515,11 @@ class SenderCore:
         avail: int,
         budget: int,
         out: list[Datagram | DatagramRun],
+        upto: int | None = None,
     ) -> tuple[int, int, int]:
-        """Send up to ``budget`` chunks of class ``cls`` from ``t`` within the peer's allowance.
+        """Send up to ``budget`` chunks of class ``cls`` from ``t`` within the peer's allowance,
+        and new chunks of the classes after it up to ``upto`` (one run per class: each class
+        has its own TOS).
 
         Returns (chunks sent, chunks consumed including skipped ones, bytes sent).
         """
@@ -522,7 +531,8 @@ class SenderCore:
         skipped = 0
         if retx.size < budget and t.cursor < t.n_chunks:
             window = t.order[t.cursor : t.cursor + (budget - retx.size)]
-            other = np.flatnonzero(t.prio[window] != cls)
+            last = cls if upto is None else max(cls, upto)
+            other = np.flatnonzero((t.prio[window] < cls) | (t.prio[window] > last))
             fresh = window[: other[0]] if other.size else window
             kept = self._skip_late_droppable(t, fresh, now)
             skipped = int(fresh.size - kept.size)
@@ -566,8 +576,15 @@ class SenderCore:
         st.bytes_sent += total
         st.path_bytes += np.asarray(per_path, dtype=np.int64)[: st.path_bytes.shape[0]]
         # One datagram per chunk (its header row and a view of its payload, never copied), as
-        # one run: a socket driver sends it with one system call and no Python per datagram.
-        out.append(t.run(chunks, paths, self._tos[cls]))
+        # one run per class: a socket driver sends it with one system call per path and no
+        # Python per datagram. New chunks come in class order, so each class is one stretch.
+        prio = t.prio[chunks]
+        if prio[0] == prio[-1]:
+            out.append(t.run(chunks, paths, self._tos[int(prio[0])]))
+        else:
+            cut = np.flatnonzero(prio[1:] != prio[:-1]) + 1
+            for a, b in zip([0, *cut.tolist()], [*cut.tolist(), fit], strict=True):
+                out.append(t.run(chunks[a:b], paths[a:b], self._tos[int(prio[a])]))
         return fit, fit + skipped, total
 
     def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:

@@ -675,6 +675,32 @@ def test_spare_payloads_keep_a_bounded_number_of_buffers():
     assert spares.bytes == 0 and spares.take(100).shape == (100,)  # empty: a new one
 
 
+def test_runs_toward_a_peer_follow_the_global_priority_order():
+    """A transfer's classes may leave in one sending batch (one run per class and TOS), but
+    never ahead of another transfer's more urgent chunks to the same peer: toward each peer
+    the runs come in (class, layer position) order, each run one class with that class's TOS."""
+    from transport.events import DatagramRun
+    from transport.packet import HEADER_SIZE
+
+    eps = make(2, chunk_bytes=256)
+    rng = np.random.default_rng(8)
+    tos = {eps[0].config.priority.tos(c): c for c in range(eps[0].config.priority.n_classes)}
+    order = []
+    for bucket, pos in ((0, 0.9), (1, 0.1)):  # a back layer's bucket first, then a front one's
+        x = rng.standard_normal(6000).astype(np.float32)
+        eps[0].start(1, bucket, x, layer_position=pos, now=0.0)
+    for item in eps[0].datagrams_to_send(0.0):
+        if not isinstance(item, DatagramRun):
+            continue
+        hdr = np.frombuffer(item.hdr, np.uint8).reshape(-1, HEADER_SIZE)[item.chunks]
+        classes = set(hdr[:, 5].tolist())  # the prio byte of each header
+        assert classes == {tos[item.tos]}
+        bucket = int(hdr[0, 16])
+        order.append((tos[item.tos], 0.9 if bucket == 0 else 0.1))
+    assert len({c for c, _ in order}) >= 3  # several classes went out in this one pass
+    assert order == sorted(order)
+
+
 def test_the_wait_for_acks_is_bounded_by_ack_wait_s():
     """Acknowledgements that never come (all of rank 1's ACKs and STOPs are lost) hold rank 0's
     completion back by ack_wait_s exactly, then what is owed is copied out; the result is
