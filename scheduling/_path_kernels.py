@@ -26,7 +26,9 @@ __all__ = [
     "ack_update",
     "assign_plan",
     "assign_spread",
+    "probe_due",
     "sent_update",
+    "tick_update",
 ]
 
 _UP, _SUSPECT, _DOWN = 0, 1, 2
@@ -477,3 +479,52 @@ def sent_update(
         sent_total[p] += sent[p]
         if sent[p] > 0 and was_idle:
             last_progress[p] = now
+
+
+@njit(cache=True, nogil=True)
+def tick_update(
+    now: float,
+    state: np.ndarray,
+    last_progress: np.ndarray,
+    outstanding: np.ndarray,
+    loss: np.ndarray,
+    next_probe: np.ndarray,
+    win_t0: np.ndarray,
+    suspect_after_s: float,
+    down_after_s: float,
+    loss_suspect: float,
+    went_down: np.ndarray,
+) -> int:
+    """Silence and loss moves of ``PathSet.tick``: a path with bytes out (or already SUSPECT)
+    and no progress for ``down_after_s`` goes DOWN (its outstanding bytes written off); an UP
+    path silent for ``suspect_after_s`` with bytes out, or whose loss EWMA passed
+    ``loss_suspect``, goes SUSPECT. Either is probed at once unless a probe is scheduled.
+    Writes the paths that went DOWN to ``went_down`` and returns how many."""
+    n_down = 0
+    for p in range(state.shape[0]):
+        s = state[p]
+        silent_for = now - last_progress[p]
+        busy = outstanding[p] > 0.0
+        if (busy or s == _SUSPECT) and s != _DOWN and silent_for >= down_after_s:
+            state[p] = _DOWN
+            next_probe[p] = min(next_probe[p], now)
+            outstanding[p] = 0.0
+            win_t0[p] = np.nan
+            went_down[n_down] = p
+            n_down += 1
+        elif s == _UP and ((busy and silent_for >= suspect_after_s) or loss[p] > loss_suspect):
+            state[p] = _SUSPECT
+            next_probe[p] = min(next_probe[p], now)
+    return n_down
+
+
+@njit(cache=True, nogil=True)
+def probe_due(now: float, state: np.ndarray, next_probe: np.ndarray, interval_s: float) -> int:
+    """Bit ``p`` set for every SUSPECT or DOWN path ``p`` whose next probe is due (and that
+    probe rescheduled ``interval_s`` later): ``PathSet.probes_due``."""
+    due = 0
+    for p in range(state.shape[0]):
+        if state[p] != _UP and now >= next_probe[p]:
+            next_probe[p] = now + interval_s
+            due |= 1 << p
+    return due

@@ -453,7 +453,7 @@ class SenderCore:
         of the peer's sampled paths (the initial RTO is for a peer we know nothing about)."""
         ps = self.paths[peer]
         rtos = ps.rtos()
-        sampled = np.array([not np.isnan(ps.rtt_estimate(q)) for q in range(self._n_paths)])
+        sampled = ps.sampled()
         if sampled.any() and not sampled.all():
             rtos = np.where(sampled, rtos, rtos[sampled].max())
         elif not sampled.any() and not np.isnan(self._srtt):

@@ -559,3 +559,71 @@ def test_kernel_sum_is_numpys_pairwise_sum() -> None:
     for n in [*range(0, 300), 1000, 4097, 10_000]:
         a = gen.uniform(0.0, 1e5, n) * gen.choice([1e-9, 1.0, 1e9], n)
         assert _np_sum(a, 0, n) == a.sum(), n
+
+
+def _tick_reference(state, last_progress, outstanding, loss, next_probe, win_t0, now, cfg):
+    """PathSet.tick as it was written in NumPy (before the compiled pass)."""
+    up, suspect, down = int(PathState.UP), int(PathState.SUSPECT), int(PathState.DOWN)
+    silent_for = now - last_progress
+    busy = outstanding > 0.0
+    to_down = (busy | (state == suspect)) & (state != down) & (silent_for >= cfg.down_after_s)
+    to_suspect = (
+        (state == up)
+        & ~to_down
+        & ((busy & (silent_for >= cfg.suspect_after_s)) | (loss > cfg.loss_suspect))
+    )
+    for mask, new in ((to_suspect, suspect), (to_down, down)):
+        state[mask] = new
+        next_probe[mask] = np.minimum(next_probe[mask], now)
+    outstanding[to_down] = 0.0
+    win_t0[to_down] = np.nan
+    return [int(i) for i in np.flatnonzero(to_down)]
+
+
+@DETERMINISTIC
+@given(
+    paths=st.lists(
+        st.tuples(
+            st.sampled_from([int(s) for s in PathState]),
+            st.floats(0.0, 1.0),  # last progress
+            st.sampled_from([0.0, 1000.0]),  # outstanding bytes
+            st.floats(0.0, 1.0),  # loss EWMA
+            st.sampled_from([np.inf, 0.2, 0.9]),  # next probe
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    now=st.floats(0.0, 1.5),
+)
+def test_tick_equals_the_numpy_it_replaced(paths, now) -> None:
+    """The compiled tick moves exactly the paths the NumPy version moved, with the same probe
+    times, written-off bytes and rate windows, and reports the same paths gone DOWN; so do the
+    probes it then finds due."""
+    cfg = PathConfig(suspect_after_s=0.2, down_after_s=0.6, loss_suspect=0.5)
+    ps = PathSet(len(paths), cfg, np.random.default_rng(0))
+    cols = [np.array(c) for c in zip(*paths, strict=True)]
+    ps._state[:] = cols[0]
+    ps._last_progress[:] = cols[1]
+    ps._outstanding[:] = cols[2]
+    ps._loss[:] = cols[3]
+    ps._next_probe[:] = cols[4]
+    ps._win_t0[:] = 0.5
+    ref = [a.copy() for a in (ps._state, ps._last_progress, ps._outstanding, ps._loss,
+                              ps._next_probe, ps._win_t0)]  # fmt: skip
+    want = _tick_reference(*ref, now, cfg)
+    assert ps.tick(now) == want
+    got_state = (ps._state, ps._outstanding, ps._next_probe, ps._win_t0)
+    for got, exp in zip(got_state, (ref[0], ref[2], ref[4], ref[5]), strict=True):
+        np.testing.assert_array_equal(got, exp)
+    due = (ref[0] != int(PathState.UP)) & (now >= ref[4])
+    assert ps.probes_due(now) == [int(i) for i in np.flatnonzero(due)]
+    assert (ps._next_probe[due] == now + cfg.probe_interval_s).all()
+
+
+def test_sampled_marks_the_paths_with_an_rtt_sample() -> None:
+    ps = make(3)
+    assert ps.sampled().tolist() == [False, False, False]
+    ps.on_sent(np.array([1]), np.array([100.0]), 0.0)
+    ps.on_acked(np.array([1]), np.array([100.0]), 0.002, rtt=np.array([0.002]))
+    assert ps.sampled().tolist() == [False, True, False]
+    assert np.isnan(ps.rtt_estimate(0)) and not np.isnan(ps.rtt_estimate(1))
