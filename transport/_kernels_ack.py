@@ -19,6 +19,8 @@ ABANDONED) ACKED and returns, for the caller's Python side, everything it passes
 * the RACK losses: per path × class lane, the newest send time acknowledged now less the
   reorder window; INFLIGHT chunks sent before that are lost.
 
+:func:`timed_out` is the sender's retransmission-timeout scan of one transfer (every tick).
+
 Arithmetic is exactly the numpy formulation's: the same subtractions, ``np.maximum``'s NaN
 propagation for the newest send time, integer sums. Exact IEEE (no fastmath).
 """
@@ -152,3 +154,30 @@ def ack_scan(
         idx, sizes, rtt, paths, counted, n_lost, n_inflight, abandoned, trigger_first,
         path_bytes, path_hit, lost_buf[:m],
     )  # fmt: skip
+
+
+@njit(**EXACT)
+def timed_out(
+    state: np.ndarray,
+    sent_at: np.ndarray,
+    path: np.ndarray,
+    rtos: np.ndarray,
+    backoff: float,
+    now: float,
+    out: np.ndarray,
+) -> int:
+    """The INFLIGHT chunks sent at least ``rtos[path] * backoff`` before ``now``, in index
+    order, into ``out`` (room for every chunk in flight); returns how many."""
+    n = 0
+    for c in range(state.shape[0]):
+        if state[c] != INFLIGHT:
+            continue
+        p = path[c]
+        if p < 0 or p >= rtos.shape[0]:
+            raise ValueError("timed_out: a chunk's path is outside the RTO table")
+        if sent_at[c] + rtos[p] * backoff <= now:
+            if n >= out.shape[0]:
+                raise ValueError("timed_out: more chunks in flight than out holds")
+            out[n] = c
+            n += 1
+    return n

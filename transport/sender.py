@@ -31,6 +31,7 @@ from scheduling.pacing import Pacer
 from scheduling.paths import PathSet
 from scheduling.priority import MAX_CLASSES, PriorityPolicy
 from transport import kernels
+from transport._kernels_ack import timed_out
 from transport.config import TransportConfig
 from transport.events import Datagram, DatagramRun, SenderReport
 from transport.outgoing import (
@@ -444,9 +445,9 @@ class SenderCore:
         :meth:`_path_rtos` of the transfer's peer)."""
         if not t.n_inflight:
             return np.empty(0, dtype=np.int64)
-        inflight = np.flatnonzero(t.state == INFLIGHT)
-        rtos = path_rtos * t.rto_backoff
-        return inflight[t.sent_at[inflight] + rtos[t.path[inflight]] <= now]
+        out = np.empty(t.n_chunks, dtype=np.int64)
+        n = timed_out(t.state, t.sent_at, t.path, path_rtos, t.rto_backoff, now, out)
+        return out[:n]
 
     def _path_rtos(self, peer: int) -> np.ndarray:
         """Per-path RTO toward ``peer``; a path with no RTT sample yet borrows the largest RTO

@@ -141,3 +141,37 @@ def test_apply_ack_rejects_bad_arguments() -> None:
         kernels.apply_ack(**{**good, "state": ro}, bits=bits, **kw)
     with pytest.raises(ValueError, match="out of range"):
         kernels.apply_ack(**good, bits=bits, **{**kw, "n_paths": 1})
+
+
+@SETTINGS
+@given(
+    chunks=st.lists(
+        st.tuples(
+            st.integers(0, 4),  # state
+            st.floats(0.0, 0.05),  # sent at
+            st.integers(0, 2),  # path
+        ),
+        max_size=60,
+    ),
+    rtos=st.lists(st.floats(0.001, 0.03), min_size=3, max_size=3),
+    backoff=st.sampled_from([1.0, 2.0, 64.0]),
+    now=st.floats(0.0, 0.1),
+)
+def test_timed_out_equals_the_numpy_scan(chunks, rtos, backoff, now) -> None:
+    """The sender's retransmission-timeout scan, compiled, against the NumPy it replaced."""
+    state = np.array([c[0] for c in chunks], dtype=np.uint8)
+    sent_at = np.array([c[1] for c in chunks], dtype=np.float64)
+    path = np.array([c[2] for c in chunks], dtype=np.int16)
+    rto = np.array(rtos)
+    inflight = np.flatnonzero(state == outgoing.INFLIGHT)
+    want = inflight[sent_at[inflight] + (rto * backoff)[path[inflight]] <= now]
+    out = np.full(len(chunks), -1, dtype=np.int64)
+    n = _kernels_ack.timed_out(state, sent_at, path, rto, backoff, now, out)
+    assert out[:n].tolist() == want.tolist()
+
+
+def test_timed_out_refuses_a_path_outside_the_rto_table() -> None:
+    state = np.array([outgoing.INFLIGHT], dtype=np.uint8)
+    out, path = np.empty(1, dtype=np.int64), np.array([2], np.int16)
+    with pytest.raises(ValueError, match="outside the RTO table"):
+        _kernels_ack.timed_out(state, np.zeros(1), path, np.ones(2), 1.0, 0.0, out)
