@@ -390,13 +390,13 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, dict[str, float]] = {k: {} for k in SUMMARY_KEYS.values()}
     summary["daemon_vs_embedded"] = {}
     for world, out in per_world.items():
-        times, cpu = out["times"], out.get("cpu", {})
+        times, cpu = out["times"], out["cpu"]
         for t, by_mb in times.items():
             for mb_key, xs in by_mb.items():
                 mb = float(mb_key)
                 gloo = float(np.median(times["gloo"][mb_key]))
                 med = float(np.median(xs))
-                cs = cpu.get(t, {}).get(mb_key)
+                cs = cpu[t][mb_key]
                 row = {
                     "transport": t,
                     "ranks": world,

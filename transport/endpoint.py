@@ -300,15 +300,17 @@ class Endpoint:
         nd, nc, mixed = frame_rows(
             arena, lengths, n, self.config.job, self.counters, data_rows, ctrl_rows, key
         )
+        # The header records, made only when something reads them (a one-transfer DATA batch
+        # does not): mixed keys, control packets, or data of a transfer not running here.
         hv = header_view(arena) if mixed or nc else None
         if nd:
             rows = data_rows[:nd]
             if mixed:
                 assert hv is not None
-                self._flush_data(arena, lengths, paths, self._groups(hv, rows), now)
+                groups = self._groups(hv, rows)
             else:
-                k = InKey(int(key[0]), int(key[1]), int(key[2]), int(key[3]))
-                self._flush_data(arena, lengths, paths, ((k, rows),), now)
+                groups = [(InKey(int(key[0]), int(key[1]), int(key[2]), int(key[3])), rows)]
+            self._flush_data(arena, lengths, paths, hv, groups, now)
         for i in ctrl_rows[:nc].tolist():
             raw = arena[i, : lengths[i]].tobytes()
             why = validate(raw, self.session)
@@ -338,6 +340,7 @@ class Endpoint:
         arena: np.ndarray,
         lengths: np.ndarray,
         paths: np.ndarray,
+        hv: np.ndarray | None,
         groups: Iterable[tuple[InKey, np.ndarray]],
         now: float,
     ) -> None:
@@ -350,7 +353,8 @@ class Endpoint:
             # batch. Without a secret its tag is a checksum, which the receive kernel checks
             # when held data is replayed: not computing it here saves a slow pass over each
             # early 64 KB packet. With a secret, nothing unauthenticated is held or answered.
-            hv = header_view(arena)
+            if hv is None:
+                hv = header_view(arena)
             why = validate_data_rows(hv[grp], lengths[grp], self.session)
             if self.key.mode != TAG_FAST:
                 for j, i in enumerate(grp.tolist()):

@@ -50,6 +50,7 @@ class Datagram(NamedTuple):
         return b"".join((self.data, self.payload))
 
 
+@dataclass(slots=True)
 class DatagramRun:
     """DATA datagrams of one transfer, sent together, as arrays (the sender's hot-path form).
 
@@ -61,53 +62,35 @@ class DatagramRun:
     and buffers are only read, and only until the driver returns.
     """
 
-    __slots__ = (
-        "chunks",
-        "hdr",
-        "header_bytes",
-        "paths",
-        "payload",
-        "peer",
-        "sizes",
-        "starts",
-        "tos",
-    )
-
-    def __init__(
-        self,
-        hdr: memoryview,
-        header_bytes: int,
-        payload: memoryview,
-        chunks: np.ndarray,
-        starts: np.ndarray,
-        sizes: np.ndarray,
-        peer: int,
-        paths: np.ndarray,
-        tos: int,
-    ) -> None:
-        self.hdr = hdr
-        self.header_bytes = header_bytes
-        self.payload = payload
-        self.chunks = chunks
-        self.starts = starts
-        self.sizes = sizes
-        self.peer = peer
-        self.paths = paths
-        self.tos = tos
+    hdr: memoryview
+    header_bytes: int
+    payload: memoryview
+    chunks: np.ndarray
+    starts: np.ndarray
+    sizes: np.ndarray
+    peer: int
+    paths: np.ndarray
+    tos: int
 
     def __len__(self) -> int:
         return int(self.chunks.shape[0])
 
     def __iter__(self) -> Iterator[Datagram]:
+        return iter(self.select(np.arange(len(self))))
+
+    def select(self, idx: np.ndarray) -> list[Datagram]:
+        """The datagrams at positions ``idx`` of the run (views of header rows and payload)."""
         hdr, pay, hb, peer, tos = self.hdr, self.payload, self.header_bytes, self.peer, self.tos
-        for c, a, n, q in zip(
-            self.chunks.tolist(),
-            self.starts.tolist(),
-            self.sizes.tolist(),
-            self.paths.tolist(),
-            strict=True,
-        ):
-            yield Datagram(hdr[c * hb : (c + 1) * hb], peer, q, tos, pay[a : a + n])
+        return [
+            Datagram(hdr[c * hb : (c + 1) * hb], peer, q, tos, pay[a : a + n])
+            for c, a, n, q in zip(
+                self.chunks[idx].tolist(),
+                self.starts[idx].tolist(),
+                self.sizes[idx].tolist(),
+                self.paths[idx].tolist(),
+                strict=True,
+            )
+        ]
 
 
 def flat(out: Iterable[Datagram | DatagramRun]) -> Iterator[Datagram]:

@@ -276,7 +276,7 @@ class UdpPaths:
                 continue
             tr, sock, dest, fallback, name = r
             if name is None:  # an address sendmmsg cannot take: one at a time
-                self._send_each(_select(run, table.order[first:end]))
+                self._send_each(run.select(table.order[first:end]))
                 continue
             i, fd = first, sock.fileno()
             while i < end:
@@ -291,7 +291,7 @@ class UdpPaths:
                 if i >= end:
                     break
                 if err in _AGAIN:  # the socket's buffer is full: the transport queues copies
-                    for dg in _select(run, table.order[i:end]):
+                    for dg in run.select(table.order[i:end]):
                         tr.sendto(dg.wire(), dest)
                         c.tx_datagrams += 1
                         c.tos_fallback += fallback
@@ -417,12 +417,6 @@ class UdpPaths:
         self._protocols.append(protocol)
         self._socks[transport] = sock
         return transport
-
-
-def _select(run: DatagramRun, idx: np.ndarray) -> list[Datagram]:
-    """The datagrams at positions ``idx`` of ``run``."""
-    every = list(run)
-    return [every[i] for i in idx.tolist()]
 
 
 def _make_socket(host: str, port: int, tos: int, bufsize: int, receives: bool) -> socket.socket:
