@@ -182,7 +182,7 @@ class ReceiverCore:
         self._refresh_check(t)
         self._early_at.pop(key, None)
         for block, lengths, paths in self.early.pop(key, []):
-            self.early_bytes -= int(lengths.sum())
+            self.early_bytes -= block.nbytes
             if not t.done:  # the kernel checks every held packet (tag included) as it lands
                 rows = np.arange(lengths.shape[0])
                 self.on_data(t, block, lengths, rows, paths, now, session)
@@ -325,16 +325,20 @@ class ReceiverCore:
                 self._stop_late(key, int(src), now)
             return
         sizes = lengths[rows]
-        room = self.config.early_buffer_bytes - self.early_bytes
-        fit = np.cumsum(sizes) <= room
-        if not fit.all():
-            self.early_dropped += int(np.count_nonzero(~fit))
-            rows, sizes = rows[fit], sizes[fit]
+        # The block is as wide as its longest datagram (rounded up to whole u64 words, as the
+        # receive kernels read rows), and what it holds is what counts against the buffer: a
+        # flood of tiny datagrams cannot hold a full arena row each for a few bytes counted.
+        width = min(arena.shape[1], -(-int(sizes.max()) // 8) * 8)
+        fit = (self.config.early_buffer_bytes - self.early_bytes) // width  # rows (>= 48 B)
+        if fit < rows.shape[0]:
+            self.early_dropped += int(rows.shape[0] - fit)
+            rows, sizes = rows[:fit], sizes[:fit]
             if not rows.size:
                 return
-        self.early.setdefault(key, []).append((arena[rows], sizes, paths[rows]))
+        block = arena[rows, :width]
+        self.early.setdefault(key, []).append((block, sizes, paths[rows]))
         self._early_at.setdefault(key, now)
-        self.early_bytes += int(sizes.sum())
+        self.early_bytes += block.nbytes
 
     def _stop_late(self, key: InKey, src: int, now: float) -> None:
         """Answer a sender still talking about a finished transfer with STOP (rate-limited)."""
@@ -392,8 +396,8 @@ class ReceiverCore:
             if now < at + limit:
                 return
             del self._early_at[key]
-            for _, lengths, _ in self.early.pop(key, []):
-                self.early_bytes -= int(lengths.sum())
+            for block, lengths, _ in self.early.pop(key, []):
+                self.early_bytes -= block.nbytes
                 self.early_expired += int(lengths.shape[0])
             self.early_control.pop(key, None)
 

@@ -11,7 +11,7 @@ from tests.unit.wire import Wire
 from transport.allreduce import TransposeAllReduce
 from transport.config import TransportConfig
 from transport.events import AllReduceComplete, flat
-from transport.packet import HEADER_SIZE, Reason
+from transport.packet import HEADER_SIZE, Header, Kind, Phase, Reason, encode
 
 
 def _ranks(**cfg) -> list[TransposeAllReduce]:
@@ -45,8 +45,8 @@ def test_early_data_is_held_then_replayed_exactly():
     rx = eps[1].endpoint.receiver
     held = sum(lengths.shape[0] for blocks in rx.early.values() for _, lengths, _ in blocks)
     assert sent == -(-1500 * 4 // 256) and held == sent  # all of rank 1's shard, held
-    assert rx.early_bytes == sum(
-        int(lengths.sum()) for blocks in rx.early.values() for _, lengths, _ in blocks
+    assert rx.early_bytes == sum(  # what the held blocks occupy
+        block.nbytes for blocks in rx.early.values() for block, _, _ in blocks
     )
     out = _finish(eps, datas)
     expect = datas[0] + datas[1]
@@ -99,3 +99,23 @@ def test_early_data_of_a_collective_that_never_starts_expires():
     assert rx.early == {} and rx.early_bytes == 0
     assert rx.early_expired == -(-1500 * 4 // 256)
     assert eps[1].endpoint.stats()["early_expired"] == rx.early_expired
+
+
+def test_tiny_early_datagrams_count_what_they_occupy():
+    """Held early data is charged by the memory its blocks take, so datagrams a few bytes long
+    (each in an arena row as wide as the largest datagram) cannot hold more than
+    ``early_buffer_bytes``: a flood of them is dropped and counted once the buffer is full."""
+    eps = _ranks(chunk_bytes=4096, early_buffer_bytes=8192)
+    ep = eps[1].endpoint
+    for step in range(2, 40):  # collectives rank 1 has not started: early
+        hdr = Header(kind=Kind.DATA, job=ep.config.job, step=step, bucket=0, shard=1,
+                     phase=Phase.REDUCE, src=0, dst=1, count=1)  # fmt: skip
+        for chunk in range(8):
+            ep.receive_datagram(encode(hdr.with_(chunk=chunk), bytes(4), ep.key), 0, 0.0)
+    ep.datagrams_to_send(0.0)  # processes the batch
+    rx = ep.receiver
+    occupied = sum(block.nbytes for blocks in rx.early.values() for block, _, _ in blocks)
+    assert rx.early_bytes == occupied <= 8192
+    # 38 x 8 datagrams of 56 B each: 8192 // 56 = 146 of them fit, the rest are dropped
+    assert rx.early_dropped == 38 * 8 - 146
+    assert all(block.shape[1] == 56 for blocks in rx.early.values() for block, _, _ in blocks)
