@@ -44,8 +44,9 @@ MSG_DTYPE = np.dtype(
     ]
 )
 _IOV = 16  # struct iovec: base, length
-_MSG_TRUNC = getattr(socket, "MSG_TRUNC", 0x20)
-_MSG_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
+# Plain ints: socket's flags are enum members, which cost NumPy and ctypes a slow path per use.
+_MSG_TRUNC = int(getattr(socket, "MSG_TRUNC", 0x20))
+_MSG_DONTWAIT = int(getattr(socket, "MSG_DONTWAIT", 0x40))
 
 
 def _bind() -> tuple[Any, Any] | None:
@@ -124,21 +125,19 @@ class SendTable:
         starts: np.ndarray,
         sizes: np.ndarray,
         paths: np.ndarray,
-        n_paths: int,
+        n_paths: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Lay out datagram ``i`` (header row ``chunks[i]`` of ``header_bytes`` at ``hdr_base``,
         payload ``sizes[i]`` bytes at ``pay_base + starts[i]``) in the rows of its path
-        (``paths[i]`` in ``0 .. n_paths - 1``): path 0's rows first, each path's in run order,
-        and ``order[row]`` = the datagram's position in the run. Returns the datagrams and the
-        payload bytes per path."""
+        (``paths[i]`` in ``0 .. n_paths - 1``; by default as many paths as the largest one
+        needs): path 0's rows first, each path's in run order, and ``order[row]`` = the
+        datagram's position in the run. Returns the datagrams and the payload bytes per path.
+        Raises ValueError for a path outside that range."""
         n = int(chunks.shape[0])
         if n > self.capacity:
             self._grow(max(n, 2 * self.capacity))
-        counts = np.zeros(n_paths, dtype=np.int64)
-        nbytes = np.zeros(n_paths, dtype=np.int64)
-        _fill(self.iov, self.order, counts, nbytes, hdr_base, header_bytes, chunks, pay_base,
-              starts, sizes, paths)  # fmt: skip
-        return counts, nbytes
+        return _fill(self.iov, self.order, -1 if n_paths is None else n_paths, hdr_base,
+                     header_bytes, chunks, pay_base, starts, sizes, paths)  # fmt: skip
 
     def send(self, fd: int, name: np.ndarray, first: int, count: int) -> tuple[int, int]:
         """Send the ``count`` filled rows from ``first`` to the address ``name`` on socket
@@ -166,8 +165,7 @@ class SendTable:
 def _fill(
     iov: np.ndarray,
     order: np.ndarray,
-    counts: np.ndarray,
-    nbytes: np.ndarray,
+    n_paths: int,
     hdr_base: int,
     hb: int,
     chunks: np.ndarray,
@@ -175,11 +173,17 @@ def _fill(
     starts: np.ndarray,
     sizes: np.ndarray,
     paths: np.ndarray,
-) -> None:
+) -> tuple[np.ndarray, np.ndarray]:
     # A stable counting sort by path: one pass to count, one to place. What it replaced — a
     # dozen NumPy operations per path to compute addresses, group and copy them into the
-    # table — cost ~100 µs per run of 256 datagrams.
-    n_paths = counts.shape[0]
+    # table — cost ~100 µs per run of 256 datagrams. n_paths < 0: as many as the largest path
+    # needs (found here, not by a NumPy call per run).
+    if n_paths < 0:
+        n_paths = 1
+        for i in range(paths.shape[0]):
+            n_paths = max(n_paths, paths[i] + 1)
+    counts = np.zeros(n_paths, dtype=np.int64)
+    nbytes = np.zeros(n_paths, dtype=np.int64)
     for i in range(chunks.shape[0]):
         q = paths[i]
         if q < 0 or q >= n_paths:
@@ -200,6 +204,7 @@ def _fill(
         iov[r, 1, 0] = pay_base + starts[i]
         iov[r, 1, 1] = sizes[i]
         order[r] = i
+    return counts, nbytes
 
 
 class RecvTable:

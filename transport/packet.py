@@ -44,6 +44,7 @@ import operator
 import struct
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, IntFlag
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,6 +62,7 @@ __all__ = [
     "DType",
     "Flags",
     "Header",
+    "HeaderFields",
     "Kind",
     "Phase",
     "Reason",
@@ -169,6 +171,39 @@ HEADER_DTYPE = np.dtype(
     }
 )  # fmt: skip
 assert HEADER_DTYPE.fields is not None and HEADER_DTYPE.fields["tag"][1] == TAG_OFFSET
+
+
+class HeaderFields(NamedTuple):
+    """A header's fields as plain Python numbers (:data:`HEADER_DTYPE`'s order), made in one
+    conversion (``HeaderFields._make(record.item())``): checking and dispatching a control
+    packet reads a dozen fields, which NumPy scalar accesses made several times dearer."""
+
+    magic: int
+    version: int
+    kind: int
+    flags: int
+    prio: int
+    dtype: int
+    phase: int
+    job: int
+    step: int
+    bucket: int
+    shard: int
+    src: int
+    dst: int
+    chunk: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count: the wire name wins
+    norm: float
+    aux: int
+    tag: int
+
+
+assert HeaderFields._fields == HEADER_DTYPE.names
+
+
+def header_fields(buf: np.ndarray) -> HeaderFields:
+    """The header fields of a packet (uint8, at least :data:`HEADER_SIZE` bytes)."""
+    return HeaderFields._make(buf[:HEADER_SIZE].view(HEADER_DTYPE)[0].item())
 
 
 @dataclass(frozen=True)
@@ -322,13 +357,15 @@ def validate(
     transfer: TransferSpec | None = None,
     *,
     tag: bool = True,
+    header: HeaderFields | None = None,
 ) -> Reason:
     """Check every header field of one packet against ``session`` (and ``transfer``).
 
     Returns the first failing :class:`Reason`, or ``Reason.OK``. Cheap framing checks run before
     the tag, so junk costs little; the tag runs before any field is believed. ``tag=False``
     skips the tag, for a caller that checks it later before using the packet (the receive
-    kernels do, when held early data is replayed).
+    kernels do, when held early data is replayed). ``header``: the packet's
+    :func:`header_fields`, when the caller has them already.
     """
     buf = _as_u8(data)
     n = buf.shape[0]
@@ -336,55 +373,55 @@ def validate(
         return Reason.TRUNCATED
     if n > session.max_datagram:
         return Reason.OVERSIZED
-    h = buf[:HEADER_SIZE].view(HEADER_DTYPE)[0]
-    if int(h["magic"]) != MAGIC:
+    h = header_fields(buf) if header is None else header
+    if h.magic != MAGIC:
         return Reason.BAD_MAGIC
-    if int(h["version"]) != VERSION:
+    if h.version != VERSION:
         return Reason.BAD_VERSION
-    kind = int(h["kind"])
+    kind = h.kind
     if kind not in _KINDS:
         return Reason.BAD_KIND
-    if int(h["job"]) != session.job:
+    if h.job != session.job:
         return Reason.FOREIGN_JOB
-    if tag and packet_tag(buf, session.key) != int(h["tag"]):
+    if tag and packet_tag(buf, session.key) != h.tag:
         return Reason.BAD_TAG
-    if not session.step_lo <= int(h["step"]) <= session.step_hi:
+    if not session.step_lo <= h.step <= session.step_hi:
         return Reason.STALE_STEP
-    if int(h["bucket"]) >= session.n_buckets:
+    if h.bucket >= session.n_buckets:
         return Reason.BAD_BUCKET
-    if int(h["phase"]) > Phase.PULL:
+    if h.phase > Phase.PULL:
         return Reason.BAD_PHASE
-    if int(h["src"]) >= session.world or int(h["dst"]) != session.me:
+    if h.src >= session.world or h.dst != session.me:
         return Reason.BAD_RANK
-    if int(h["shard"]) >= max(session.world, 1) and kind == Kind.DATA:
+    if h.shard >= max(session.world, 1) and kind == Kind.DATA:
         return Reason.BAD_SHARD
     payload = n - HEADER_SIZE
     if kind == Kind.DATA:
-        dt = int(h["dtype"])
+        dt = h.dtype
         if dt > DType.BF16:
             return Reason.BAD_DTYPE
-        if int(h["count"]) * ITEMSIZE[dt] != payload:
+        if h.count * ITEMSIZE[dt] != payload:
             return Reason.COUNT_MISMATCH
-    elif kind in BITMAP_KINDS and payload != -(-int(h["count"]) // 8):
+    elif kind in BITMAP_KINDS and payload != -(-h.count // 8):
         return Reason.COUNT_MISMATCH
     if transfer is None:
         return Reason.OK
     if (
-        int(h["step"]) != transfer.step
-        or int(h["bucket"]) != transfer.bucket
-        or int(h["shard"]) != transfer.shard
-        or int(h["phase"]) != transfer.phase
+        h.step != transfer.step
+        or h.bucket != transfer.bucket
+        or h.shard != transfer.shard
+        or h.phase != transfer.phase
     ):
         return Reason.UNKNOWN_TRANSFER
-    if not transfer.src_lo <= int(h["src"]) < transfer.src_hi:
+    if not transfer.src_lo <= h.src < transfer.src_hi:
         return Reason.BAD_RANK
     if kind == Kind.DATA:
-        if int(h["dtype"]) != transfer.dtype:
+        if h.dtype != transfer.dtype:
             return Reason.BAD_DTYPE
-        chunk = int(h["chunk"])
+        chunk = h.chunk
         if chunk >= transfer.n_chunks:
             return Reason.CHUNK_RANGE
-        if int(h["count"]) != payload_elems_for(transfer.n_elems, transfer.chunk_elems, chunk):
+        if h.count != payload_elems_for(transfer.n_elems, transfer.chunk_elems, chunk):
             return Reason.COUNT_MISMATCH
     return Reason.OK
 

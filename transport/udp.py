@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 
 READ_BURST = 64
 """Most datagrams read from one socket per wakeup (then the driver runs: ACKs go out)."""
-_MSG_TRUNC = getattr(socket, "MSG_TRUNC", 0)
+_MSG_TRUNC = int(getattr(socket, "MSG_TRUNC", 0))  # an int: enum members are slow in hot calls
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -262,7 +262,6 @@ class UdpPaths:
             run.starts,
             sizes,
             run.paths,
-            int(run.paths.max()) + 1,
         )
         c = self.counters
         end = 0

@@ -94,6 +94,13 @@ def test_a_run_is_laid_out_grouped_by_path_in_run_order():
     assert (iov[:, 1, 0] == 5000 + starts[want]).all() and (iov[:, 1, 1] == sizes[want]).all()
     with pytest.raises(ValueError, match="path outside"):
         table.fill(1000, hb, chunks, 5000, starts, sizes, paths, 2)
+    # Without n_paths, as many paths as the largest needs; a negative path is still refused.
+    counts, nbytes = table.fill(1000, hb, chunks, 5000, starts, sizes, paths)
+    assert counts.tolist() == np.bincount(paths).tolist() and len(counts) == 3
+    assert table.order[:n].tolist() == want.tolist()
+    paths[7] = -1
+    with pytest.raises(ValueError, match="path outside"):
+        table.fill(1000, hb, chunks, 5000, starts, sizes, paths)
 
 
 def test_a_datagram_longer_than_a_row_reads_as_oversized(pair):

@@ -452,6 +452,37 @@ def test_batch_framing_equals_validate(packets: list) -> None:
         assert key.tolist() == [int(h[k]) for k in ("step", "bucket", "shard", "phase")]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([0, 1, 7, 2**31, 2**32 - 1]),  # step (the whole u32 range)
+            st.sampled_from([0, 3, 2**16 - 1]),  # bucket
+            st.sampled_from([0, 1, 2**16 - 1]),  # shard
+            st.integers(0, 1),  # phase
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_mixed_batch_groups_by_transfer_in_batch_order(keys: list, rnd) -> None:
+    """The endpoint splits a batch's DATA rows by transfer key: one group per distinct key, in
+    key order, each group's rows in batch order (no two keys share a packed value)."""
+    from transport.endpoint import Endpoint
+
+    arena = np.zeros((len(keys) + 3, HEADER_SIZE), dtype=np.uint8)
+    hv = np.frombuffer(arena, HEADER_DTYPE)  # one header record per row
+    rows = np.array(sorted(rnd.sample(range(arena.shape[0]), len(keys))), dtype=np.int64)
+    for r, (step, bucket, shard, phase) in zip(rows.tolist(), keys, strict=True):
+        hv[r]["step"], hv[r]["bucket"], hv[r]["shard"], hv[r]["phase"] = step, bucket, shard, phase
+    want: dict[tuple, list[int]] = {}
+    for r, k in zip(rows.tolist(), keys, strict=True):
+        want.setdefault(k, []).append(r)
+    got = Endpoint._groups(hv, rows)
+    assert [(tuple(k), g.tolist()) for k, g in got] == sorted(want.items())
+
+
 def test_decode_header_raises_typed_errors() -> None:
     with pytest.raises(ProtocolError) as info:
         decode_header(b"\0" * 10)
