@@ -181,3 +181,60 @@ def timed_out(
             out[n] = c
             n += 1
     return n
+
+
+@njit(**EXACT)
+def note_sent(
+    state: np.ndarray,
+    sent_at: np.ndarray,
+    path: np.ndarray,
+    tx: np.ndarray,
+    prio: np.ndarray,
+    lengths: np.ndarray,
+    chunks: np.ndarray,
+    paths: np.ndarray,
+    n_retx: int,
+    now: float,
+    sent: np.ndarray,
+    retransmitted: np.ndarray,
+    path_bytes: np.ndarray,
+    bounds: np.ndarray,
+) -> tuple[int, int]:
+    """The sender's bookkeeping of one sending batch: ``chunks`` (the first ``n_retx`` of them
+    retransmissions) go out on ``paths`` now.
+
+    Marks them INFLIGHT with their send time and path, counts a transmission each (``tx``,
+    saturating at 255), adds one per chunk to its class in ``sent`` (and ``retransmitted``),
+    and its datagram bytes to its path in ``path_bytes``. Writes into ``bounds`` where each
+    stretch of one class starts (then the end): the batch goes out as one run per class.
+    Returns the batch's bytes and its number of runs. Raises ValueError for a path or class
+    outside the arrays it counts into (nothing is written then).
+    """
+    n = chunks.shape[0]
+    for i in range(n):
+        q = paths[i]
+        p = prio[chunks[i]]
+        if q < 0 or q >= path_bytes.shape[0] or p >= sent.shape[0]:
+            raise ValueError("note_sent: a path or class outside the counters")
+    total = 0
+    runs = 0
+    for i in range(n):
+        c = chunks[i]
+        q = paths[i]
+        state[c] = INFLIGHT
+        sent_at[c] = now
+        path[c] = q
+        if tx[c] < 255:
+            tx[c] += 1
+        p = prio[c]
+        sent[p] += 1
+        if i < n_retx:
+            retransmitted[p] += 1
+        nb = lengths[c]
+        path_bytes[q] += nb
+        total += nb
+        if i == 0 or p != prio[chunks[i - 1]]:
+            bounds[runs] = i
+            runs += 1
+    bounds[runs] = n
+    return total, runs

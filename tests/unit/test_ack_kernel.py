@@ -175,3 +175,60 @@ def test_timed_out_refuses_a_path_outside_the_rto_table() -> None:
     out, path = np.empty(1, dtype=np.int64), np.array([2], np.int16)
     with pytest.raises(ValueError, match="outside the RTO table"):
         _kernels_ack.timed_out(state, np.zeros(1), path, np.ones(2), 1.0, 0.0, out)
+
+
+@SETTINGS
+@given(
+    st.integers(1, 60),  # chunks in the transfer
+    st.integers(1, 3),  # paths
+    st.integers(1, 4),  # classes
+    st.integers(0, 2**31),  # seed
+)
+def test_note_sent_equals_the_numpy_bookkeeping(n, n_paths, n_classes, seed) -> None:
+    """One sending batch's bookkeeping, compiled, against the NumPy it replaced in
+    SenderCore._send_batch: chunk state, send time, path and (saturating) transmission count,
+    per-class sent and retransmitted counts, per-path bytes, and the class stretches."""
+    rng = np.random.default_rng(seed)
+    t = transfer(seed, n, n_paths, n_classes, nan_times=False)
+    t["tx"][rng.random(n) < 0.2] = 255
+    lengths = rng.integers(48, 65000, n).astype(np.int32)
+    k = int(rng.integers(1, n + 1))
+    chunks = rng.permutation(n)[:k].astype(np.int64)
+    paths = rng.integers(0, n_paths, k).astype(np.int64)
+    n_retx = int(rng.integers(0, k + 1))
+    now = float(rng.uniform(0, 5))
+    want = {name: a.copy() for name, a in t.items()}
+    want["state"][chunks] = outgoing.INFLIGHT
+    want["sent_at"][chunks] = now
+    want["path"][chunks] = paths
+    want["tx"][chunks] = np.minimum(want["tx"][chunks].astype(np.int64) + 1, 255).astype(np.uint8)
+    prio = t["prio"][chunks]
+    want_sent = np.bincount(prio, minlength=n_classes)
+    want_retx = np.bincount(prio[:n_retx], minlength=n_classes)
+    sizes = lengths[chunks].astype(np.int64)
+    want_path = np.bincount(paths, weights=sizes, minlength=n_paths).astype(np.int64)
+    cut = np.flatnonzero(prio[1:] != prio[:-1]) + 1
+    want_bounds = [0, *cut.tolist(), k]
+    sent, retx = np.zeros(n_classes, np.int64), np.zeros(n_classes, np.int64)
+    per_path, bounds = np.zeros(n_paths, np.int64), np.empty(k + 1, np.int64)
+    total, runs = _kernels_ack.note_sent(
+        t["state"], t["sent_at"], t["path"], t["tx"], t["prio"], lengths, chunks, paths, n_retx,
+        now, sent, retx, per_path, bounds,
+    )  # fmt: skip
+    for name in ("state", "sent_at", "path", "tx"):
+        assert t[name].tobytes() == want[name].tobytes(), name
+    assert sent.tolist() == want_sent.tolist() and retx.tolist() == want_retx.tolist()
+    assert per_path.tolist() == want_path.tolist() and total == int(sizes.sum())
+    assert bounds[: runs + 1].tolist() == want_bounds
+
+
+def test_note_sent_refuses_a_path_outside_the_counters() -> None:
+    t = transfer(1, 4, 2, 2, nan_times=False)
+    before = {name: a.copy() for name, a in t.items()}
+    with pytest.raises(ValueError, match="outside the counters"):
+        _kernels_ack.note_sent(
+            t["state"], t["sent_at"], t["path"], t["tx"], t["prio"], np.full(4, 100, np.int32),
+            np.array([0, 1]), np.array([0, 2]), 0, 1.0, np.zeros(2, np.int64),
+            np.zeros(2, np.int64), np.zeros(2, np.int64), np.empty(3, np.int64),
+        )  # fmt: skip
+    assert all(t[name].tobytes() == before[name].tobytes() for name in t)
