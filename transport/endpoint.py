@@ -24,14 +24,16 @@ from transport.config import TransportConfig
 from transport.events import Datagram, DatagramRun, Event
 from transport.packet import (
     HEADER_SIZE,
+    MAGIC,
     N_REASONS,
+    VERSION,
+    DType,
     Flags,
-    Header,
     HeaderFields,
     Kind,
     Reason,
     SessionSpec,
-    encode,
+    encode_values,
     header_view,
     validate,
     validate_data_rows,
@@ -270,22 +272,12 @@ class Endpoint:
         flags: int = 0,
         norm: float = 0.0,
     ) -> bytes:
-        header = Header(
-            kind=kind,
-            job=self.config.job,
-            step=key[0],
-            bucket=key[1],
-            shard=key[2],
-            phase=key[3],
-            src=self.me,
-            dst=dst,
-            chunk=chunk,
-            count=count,
-            aux=aux,
-            flags=flags,
-            norm=norm,
-        )
-        return encode(header, payload, self.key)
+        # HEADER_DTYPE's order (tag left out): no Header object per control packet.
+        values = (
+            MAGIC, VERSION, kind, flags, 0, DType.F32, key[3], self.config.job, key[0], key[1],
+            key[2], self.me, dst, chunk, count, norm, aux,
+        )  # fmt: skip
+        return encode_values(values, payload, self.key)
 
     def _flush(self, now: float) -> None:
         n = self._rx_n

@@ -73,6 +73,7 @@ __all__ = [
     "decode_header",
     "encode",
     "encode_bitmap",
+    "encode_values",
     "header_view",
     "payload_elems_for",
     "validate",
@@ -250,10 +251,19 @@ _header_values = operator.attrgetter(*_FIELDS[:-1])
 
 def encode(header: Header, payload: bytes | np.ndarray = b"", key: TagKey | None = None) -> bytes:
     """Serialise ``header`` and ``payload``; the tag is computed here (``header.tag`` ignored)."""
+    return encode_values(_header_values(header), payload, key)
+
+
+def encode_values(
+    values: tuple[int | float, ...], payload: bytes | np.ndarray = b"", key: TagKey | None = None
+) -> bytes:
+    """:func:`encode` from the header's values in :data:`HEADER_DTYPE` order, ``tag`` left out
+    (magic and version included): what a core sending control packets on the hot path uses,
+    skipping a :class:`Header` per packet."""
     body = payload.tobytes() if isinstance(payload, np.ndarray) else bytes(payload)
     buf = bytearray(HEADER_SIZE + len(body))
     try:
-        _HEADER_STRUCT.pack_into(buf, 0, *_header_values(header), 0)
+        _HEADER_STRUCT.pack_into(buf, 0, *values, 0)
     except struct.error as e:  # a field out of its range: as NumPy's assignment would say
         raise OverflowError(f"header field out of range: {e}") from e
     buf[HEADER_SIZE:] = body

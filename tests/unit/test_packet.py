@@ -16,6 +16,7 @@ from transport.packet import (
     VERSION,
     DType,
     Header,
+    HeaderFields,
     Kind,
     Phase,
     Reason,
@@ -25,6 +26,7 @@ from transport.packet import (
     decode_header,
     encode,
     encode_bitmap,
+    header_fields,
     header_view,
     validate,
     validate_data_rows,
@@ -112,6 +114,34 @@ def test_encode_decode_round_trip(fields: dict, payload: bytes, key: TagKey) -> 
     got = decode_header(data)
     assert got == header.with_(tag=packet_tag(data, key))
     assert got.magic == MAGIC and got.version == VERSION
+
+
+@SETTINGS
+@given(
+    fields=st.fixed_dictionaries(
+        {k: FIELD_RANGES[k] for k in ("kind", "step", "bucket", "shard", "phase", "dst", "chunk")}
+        | {k: FIELD_RANGES[k] for k in ("count", "aux", "flags", "norm")}
+    ),
+    payload=st.binary(max_size=64),
+)
+def test_control_packets_encode_as_their_header_says(fields: dict, payload: bytes) -> None:
+    """The endpoint builds control packets from plain values (no Header per packet): the bytes
+    are encode()'s for the same Header, and header_fields() reads every field back."""
+    from transport.config import TransportConfig
+    from transport.endpoint import Endpoint
+
+    ep = Endpoint(2, 4, TransportConfig(job=77))
+    f = dict(fields)
+    key = (f.pop("step"), f.pop("bucket"), f.pop("shard"), f.pop("phase"))
+    dst = f.pop("dst")
+    got = ep._encode_to(f.pop("kind"), key, dst, payload=payload, **f)
+    header = Header(**fields, job=77, src=2)
+    assert got == encode(header, payload, ep.key)
+    back = header_fields(np.frombuffer(got, dtype=np.uint8))
+    assert back._replace(tag=0) == HeaderFields._make(
+        getattr(header, name) for name in HEADER_DTYPE.names or ()
+    )._replace(norm=back.norm, tag=0)
+    assert back.norm == np.float32(header.norm)
 
 
 @SETTINGS
