@@ -314,6 +314,15 @@ def row_tag(row64: np.ndarray, length: int, mode: int, k0: np.uint64, k1: np.uin
     return fast_tag_row(row64, length)
 
 
+@njit(**EXACT)
+def _check_rows(rows: np.ndarray, n_rows: int) -> None:
+    """Every batch row is an arena row (checked before anything is written): the loops below
+    read rows unchecked, and callers with a prepared plan do not check rows in Python."""
+    for i in range(rows.shape[0]):
+        if rows[i] < 0 or rows[i] >= n_rows:
+            raise ValueError("rows must index arena rows")
+
+
 # The batch loops keep the per-packet body written out in the loop: moved into an inlined helper
 # taking the arrays as arguments, it measured ~20 ns a packet slower (a fifth of a 1408 B packet).
 # Each loop: fast header check, tag, duplicate check, then the add/copy from the L1-hot row.
@@ -343,6 +352,7 @@ def reduce_f32(
     a64 = arena.view(np.uint64)
     af = arena.view(np.float32)
     want_verdicts = verdicts.shape[0] > 0
+    _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
         r = rows[i]
@@ -400,6 +410,7 @@ def reduce_u16(
     a64 = arena.view(np.uint64)
     a16 = arena.view(np.uint16)
     want_verdicts = verdicts.shape[0] > 0
+    _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
         r = rows[i]
@@ -465,6 +476,7 @@ def place_rows(
     a64 = arena.view(np.uint64)
     want_contrib = contrib.shape[0] > 0
     want_verdicts = verdicts.shape[0] > 0
+    _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
         r = rows[i]

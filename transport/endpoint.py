@@ -88,7 +88,7 @@ class Endpoint:
             me, world, cfg, self.loss, self._encode_to, self._events.append, control_tos
         )
         self._rx = np.zeros((RX_BATCH, cfg.slot_bytes), dtype=np.uint8)
-        self._rx_len = np.zeros(RX_BATCH, dtype=np.int32)
+        self._rx_len = np.zeros(RX_BATCH, dtype=np.int64)  # as the receive kernels read them
         self._rx_path = np.zeros(RX_BATCH, dtype=np.int64)
         # One writable view per arena row, for drivers that receive straight into the arena.
         self._rx_rows = [row.data for row in self._rx]

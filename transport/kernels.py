@@ -37,6 +37,26 @@ from transport import _kernels_hadamard as _had
 from transport import _kernels_pack as _pk
 from transport import _kernels_recv as _rx
 from transport import _kernels_sum as _sum
+from transport._kernels_checks import (
+    _NO_U8,
+    _NO_U16,
+    _OUT_DTYPES,
+    _U8_MAX,
+    _U16_MAX,
+    _U32_MAX,
+    _U64_MAX,
+    _arena,
+    _array,
+    _chunked,
+    _in_range,
+    _key_parts,
+    _optional_f32,
+    _per_chunk_u8,
+    _readonly,
+    _shard,
+    _typed,
+    _wire_dtype,
+)
 from transport._kernels_common import (
     CONFIG,
     MAGIC_VERSION_WORD,
@@ -53,13 +73,14 @@ from transport.packet import (
     TransferSpec,
     chunk_counts,
 )
-from transport.tag import TAG_FAST, TAG_SIPHASH, TagKey
+from transport.tag import TAG_FAST, TagKey
 
 __all__ = [
     "CONFIG",
     "AckResult",
     "ChunkStats",
     "KernelConfig",
+    "ReceivePlan",
     "apply_ack",
     "chunk_stats",
     "hadamard_forward",
@@ -67,166 +88,11 @@ __all__ = [
     "local_sum",
     "pack",
     "place_into",
+    "prepare_receive",
+    "receive_rows",
     "reduce_into",
     "write_headers",
 ]
-
-_U8_MAX = 0xFF
-_U16_MAX = 0xFFFF
-_U32_MAX = 0xFFFFFFFF
-_U64_MAX = 0xFFFFFFFFFFFFFFFF
-_NO_F32 = np.empty(0, dtype=np.float32)
-_NO_U8 = np.empty(0, dtype=np.uint8)
-_NO_U16 = np.empty(0, dtype=np.uint16)
-#: One-element arrays for every u8 value, for per-chunk fields given as a scalar (step 0).
-_U8_SCALARS = np.arange(256, dtype=np.uint8).reshape(256, 1)
-_U8_SCALARS.flags.writeable = False
-
-#: dtypes a shard or output may have for each wire dtype (all raw bit views for 16-bit types).
-_SRC_DTYPES = {
-    DType.F32: (np.dtype(np.float32),),
-    DType.F16: (np.dtype(np.float16), np.dtype(np.uint16), np.dtype(np.int16)),
-    DType.BF16: (np.dtype(np.uint16), np.dtype(np.int16)),
-}
-_OUT_DTYPES = {
-    DType.F32: (np.dtype(np.float32), np.dtype(np.uint32)),
-    DType.F16: _SRC_DTYPES[DType.F16],
-    DType.BF16: _SRC_DTYPES[DType.BF16],
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# checks
-
-
-def _wire_dtype(dtype: int) -> DType:
-    try:
-        return DType(int(dtype))
-    except ValueError:
-        raise ValueError(f"dtype {dtype!r} is not a wire dtype; use one of {list(DType)}") from None
-
-
-def _array(name: str, a: object, ndim: int, *, writeable: bool = False) -> np.ndarray:
-    """``a`` as an aligned, C-contiguous ndarray of ``ndim`` dimensions, or ValueError."""
-    if not isinstance(a, np.ndarray):
-        raise ValueError(f"{name} must be a numpy array, got {type(a).__name__}")
-    if a.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous; pass np.ascontiguousarray({name})")
-    if not a.flags.aligned:
-        raise ValueError(f"{name} is not aligned to its itemsize; copy it into a fresh array")
-    if writeable and not a.flags.writeable:
-        raise ValueError(f"{name} is read-only; the kernel writes into it")
-    return a
-
-
-def _typed(
-    name: str, a: object, dtype: type, shape: tuple[int, ...], *, writeable: bool = True
-) -> np.ndarray:
-    arr = _array(name, a, len(shape), writeable=writeable)
-    if arr.dtype != dtype:
-        raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {arr.dtype.name}")
-    if arr.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
-    return arr
-
-
-def _shard(name: str, src: object, dtype: DType) -> np.ndarray:
-    """The shard as its raw uint32 (F32) or uint16 (F16/BF16) bits, without copying."""
-    arr = _array(name, src, 1)
-    allowed = _SRC_DTYPES[dtype]
-    if arr.dtype not in allowed:
-        names = ", ".join(d.name for d in allowed)
-        raise ValueError(f"{name} for {dtype.name} must be one of ({names}), got {arr.dtype.name}")
-    return _readonly(arr.view(np.uint32 if dtype == DType.F32 else np.uint16))
-
-
-def _chunked(src: np.ndarray, dtype: int, chunk_elems: int) -> tuple[DType, np.ndarray, int, int]:
-    """A shard split into chunks: (wire dtype, its raw bits, chunk_elems, number of chunks)."""
-    wire = _wire_dtype(dtype)
-    bits = _shard("src", src, wire)
-    chunk_elems = int(chunk_elems)
-    if chunk_elems < 1:
-        raise ValueError(f"chunk_elems={chunk_elems} must be >= 1")
-    return wire, bits, chunk_elems, -(-bits.shape[0] // chunk_elems)
-
-
-def _arena(arena: object, *, writeable: bool) -> np.ndarray:
-    arr = _array("arena", arena, 2, writeable=writeable)
-    if arr.dtype != np.uint8:
-        raise ValueError(f"arena must be uint8 (one datagram per row), got {arr.dtype.name}")
-    if arr.shape[1] % 8 or arr.shape[1] < HEADER_SIZE:
-        raise ValueError(
-            f"arena rows must be a multiple of 8 bytes and at least {HEADER_SIZE}, got "
-            f"{arr.shape[1]}; round the slot width up to a multiple of 8"
-        )
-    if arr.shape[0] and arr.ctypes.data % 8:
-        raise ValueError("arena must start on an 8-byte boundary; allocate it with np.zeros")
-    return arr
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    """A read-only view of ``a`` (no copy).
-
-    Every input-only array reaches the kernels read-only: numba compiles a separate kernel for
-    read-only and writable arrays of the same type, so mixing them would multiply the
-    signatures (and the compile time) of each kernel.
-    """
-    if not a.flags.writeable:
-        return a
-    view = a.view()
-    view.flags.writeable = False
-    return view
-
-
-def _per_chunk_u8(name: str, value: np.ndarray | int, n_chunks: int) -> tuple[np.ndarray, int]:
-    """A per-chunk u8 field as (array, step): step 0 broadcasts a scalar."""
-    if isinstance(value, np.ndarray):
-        arr = _array(name, value, 1)
-        if arr.dtype.kind not in "ui":
-            raise ValueError(f"{name} must be an integer array, got {arr.dtype.name}")
-        if arr.shape[0] < n_chunks:
-            raise ValueError(f"{name} has {arr.shape[0]} entries for {n_chunks} chunks")
-        if arr.dtype != np.uint8:
-            if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _U8_MAX):
-                raise ValueError(f"{name} values must be in 0..255")
-            arr = arr.astype(np.uint8)
-        return _readonly(arr), 1
-    v = int(value)
-    if not 0 <= v <= _U8_MAX:
-        raise ValueError(f"{name}={v} must be in 0..255")
-    return _U8_SCALARS[v], 0
-
-
-def _optional_f32(name: str, a: np.ndarray | None, n_chunks: int) -> np.ndarray:
-    if a is None:
-        return _NO_F32
-    arr = _array(name, a, 1, writeable=True)
-    if arr.dtype != np.float32 or arr.shape[0] < n_chunks:
-        raise ValueError(
-            f"{name} must be float32 with at least {n_chunks} entries, got "
-            f"{arr.dtype.name}{arr.shape}"
-        )
-    return arr
-
-
-def _in_range(name: str, value: int, hi: int) -> int:
-    v = int(value)
-    if not 0 <= v <= hi:
-        raise ValueError(f"{name}={v} is outside 0..{hi}")
-    return v
-
-
-@lru_cache(maxsize=64)
-def _key_parts(key: TagKey) -> tuple[int, np.uint64, np.uint64]:
-    if key.mode not in (TAG_FAST, TAG_SIPHASH):
-        raise ValueError(f"TagKey.mode={key.mode} must be TAG_FAST or TAG_SIPHASH")
-    return (
-        int(key.mode),
-        np.uint64(_in_range("key.k0", key.k0, _U64_MAX)),
-        np.uint64(_in_range("key.k1", key.k1, _U64_MAX)),
-    )
 
 
 @lru_cache(maxsize=1024)
@@ -301,26 +167,39 @@ def _identity_rows(n: int) -> np.ndarray:
     return table[:n]
 
 
-def _batch(
-    arena: np.ndarray,
-    lengths: object,
-    received: object,
+class ReceivePlan(NamedTuple):
+    """A receiving transfer's checked kernel arguments, everything but the batch
+    (:func:`prepare_receive`); :func:`receive_rows` runs a batch with it."""
+
+    session: SessionSpec
+    transfer: TransferSpec
+    spec: np.ndarray
+    k0: np.uint64
+    k1: np.uint64
+    place: bool
+    target: np.ndarray  # float32 accumulator (reduce) or the output's raw bits (place)
+    contrib: np.ndarray
+    received: np.ndarray
+    counters: np.ndarray
+
+
+def prepare_receive(
     session: SessionSpec,
     transfer: TransferSpec,
-    counters: object,
-    rows: np.ndarray | None,
-    verdicts: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.uint64, np.uint64]:
-    """Common checks of the receive wrappers → (lengths, received, rows, verdicts, spec, k0, k1)."""
+    target: np.ndarray,
+    contrib: np.ndarray | None,
+    received: np.ndarray,
+    counters: np.ndarray,
+    *,
+    place: bool,
+) -> ReceivePlan:
+    """Check once what :func:`reduce_into` (``place=False``: ``target`` is ``accum``) or
+    :func:`place_into` (``target`` is ``out``) would check on every call, except the batch.
+
+    A receiver makes one per transfer (again when its session's step window moves): a batch
+    then costs a few attribute checks instead of some twenty NumPy operations.
+    """
     spec, k0, k1 = _spec(session, transfer)
-    n_rows = arena.shape[0]
-    lens = _array("lengths", lengths, 1)
-    if lens.dtype.kind not in "ui" or lens.shape[0] != n_rows:
-        raise ValueError(
-            f"lengths must be an integer array with one entry per arena row ({n_rows}), got "
-            f"{lens.dtype.name}{lens.shape}"
-        )
-    lens = _readonly(lens.astype(np.int64, copy=False))
     recv = _array("received", received, 2, writeable=True)
     if recv.dtype == np.bool_:
         recv = recv.view(np.uint8)
@@ -331,17 +210,63 @@ def _batch(
             f"{recv.dtype.name}{recv.shape}"
         )
     _typed("counters", counters, np.int64, (N_REASONS,))
+    wire = DType(transfer.dtype)
+    if not place:
+        tgt = _typed("accum", target, np.float32, (transfer.n_elems,))
+        assert contrib is not None
+        con = _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
+        return ReceivePlan(session, transfer, spec, k0, k1, False, tgt, con, recv, counters)
+    out_a = _array("out", target, 1, writeable=True)
+    if out_a.dtype not in _OUT_DTYPES[wire] or out_a.shape != (transfer.n_elems,):
+        names = ", ".join(d.name for d in _OUT_DTYPES[wire])
+        raise ValueError(
+            f"out for {wire.name} must be one of ({names}) with shape ({transfer.n_elems},), got "
+            f"{out_a.dtype.name}{out_a.shape}"
+        )
+    con = (
+        _NO_U16 if contrib is None else _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
+    )
+    bits = out_a.view(np.uint32 if wire == DType.F32 else np.uint16)
+    return ReceivePlan(session, transfer, spec, k0, k1, True, bits, con, recv, counters)
+
+
+def receive_rows(
+    plan: ReceivePlan,
+    arena: np.ndarray,
+    lengths: np.ndarray,
+    rows: np.ndarray | None = None,
+    verdicts: np.ndarray | None = None,
+) -> int:
+    """Run one batch (``arena`` rows, or those listed in ``rows``) with a prepared plan: the
+    reduce or place of :func:`reduce_into` / :func:`place_into`. Returns the accepted count."""
+    rows_a = _readonly(_arena(arena, writeable=False))
+    n_rows = rows_a.shape[0]
+    lens = _array("lengths", lengths, 1)
+    if lens.dtype.kind not in "ui" or lens.shape[0] != n_rows:
+        raise ValueError(
+            f"lengths must be an integer array with one entry per arena row ({n_rows}), got "
+            f"{lens.dtype.name}{lens.shape}"
+        )
+    lens = _readonly(lens.astype(np.int64, copy=False))
     if rows is None:
         idx = _identity_rows(n_rows)
     else:
         idx = _array("rows", rows, 1)
         if idx.dtype.kind not in "ui":
             raise ValueError(f"rows must be an integer array, got {idx.dtype.name}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n_rows):
-            raise ValueError(f"rows must index arena rows 0..{n_rows - 1}")
-        idx = _readonly(idx.astype(np.int64, copy=False))
+        idx = _readonly(idx.astype(np.int64, copy=False))  # each row's range: the kernel's check
     verd = _NO_U8 if verdicts is None else _typed("verdicts", verdicts, np.uint8, (idx.shape[0],))
-    return lens, recv, idx, verd, spec, k0, k1
+    p = plan
+    args = (p.spec, p.k0, p.k1)
+    if p.place:
+        words = rows_a.view(np.uint32 if p.target.dtype == np.uint32 else np.uint16)
+        return int(_rx.place_rows(rows_a, words, lens, idx, *args, p.target, p.contrib,
+                                  p.received, p.counters, verd))  # fmt: skip
+    if p.transfer.dtype == DType.F32:
+        return int(_rx.reduce_f32(rows_a, lens, idx, *args, p.target, p.contrib, p.received,
+                                  p.counters, verd))  # fmt: skip
+    return int(_rx.reduce_u16(rows_a, lens, idx, *args, p.target, p.contrib, p.received,
+                              p.counters, verd, p.transfer.dtype == DType.BF16))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,20 +373,8 @@ def reduce_into(
     (int64, one per Reason) gets +1 at each item's Reason (OK counts accepted); ``verdicts``
     (uint8, one per item, optional) gets it too. A datagram longer than its row is OVERSIZED.
     """
-    rows_a = _readonly(_arena(arena, writeable=False))
-    lens, recv, idx, verd, spec, k0, k1 = _batch(
-        rows_a, lengths, received, session, transfer, counters, rows, verdicts
-    )
-    acc = _typed("accum", accum, np.float32, (transfer.n_elems,))
-    con = _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
-    if transfer.dtype == DType.F32:
-        return int(_rx.reduce_f32(rows_a, lens, idx, spec, k0, k1, acc, con, recv, counters, verd))
-    return int(
-        _rx.reduce_u16(
-            rows_a, lens, idx, spec, k0, k1, acc, con, recv, counters, verd,
-            transfer.dtype == DType.BF16,
-        )
-    )  # fmt: skip
+    plan = prepare_receive(session, transfer, accum, contrib, received, counters, place=False)
+    return receive_rows(plan, arena, lengths, rows, verdicts)
 
 
 def place_into(
@@ -483,27 +396,8 @@ def place_into(
     uint16/int16/float16 for F16; uint16/int16 for BF16. Validation, ``received``, ``counters``,
     ``verdicts`` and ``rows`` are as in :func:`reduce_into`; ``contrib`` is optional.
     """
-    rows_a = _readonly(_arena(arena, writeable=False))
-    lens, recv, idx, verd, spec, k0, k1 = _batch(
-        rows_a, lengths, received, session, transfer, counters, rows, verdicts
-    )
-    wire = DType(transfer.dtype)
-    out_a = _array("out", out, 1, writeable=True)
-    if out_a.dtype not in _OUT_DTYPES[wire] or out_a.shape != (transfer.n_elems,):
-        names = ", ".join(d.name for d in _OUT_DTYPES[wire])
-        raise ValueError(
-            f"out for {wire.name} must be one of ({names}) with shape ({transfer.n_elems},), got "
-            f"{out_a.dtype.name}{out_a.shape}"
-        )
-    con = (
-        _NO_U16 if contrib is None else _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
-    )
-    wide = wire == DType.F32
-    bits = out_a.view(np.uint32 if wide else np.uint16)
-    words = rows_a.view(np.uint32 if wide else np.uint16)
-    return int(
-        _rx.place_rows(rows_a, words, lens, idx, spec, k0, k1, bits, con, recv, counters, verd)
-    )
+    plan = prepare_receive(session, transfer, out, contrib, received, counters, place=True)
+    return receive_rows(plan, arena, lengths, rows, verdicts)
 
 
 class ChunkStats(NamedTuple):

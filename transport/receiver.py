@@ -110,6 +110,7 @@ class InTransfer:
         self.duplicates = 0
         self.rejected = 0
         self.done = False
+        self.plan: kernels.ReceivePlan | None = None  # the receive kernels' checked arguments
 
     @property
     def gather(self) -> bool:
@@ -208,32 +209,12 @@ class ReceiverCore:
     ) -> None:
         """Reduce (or place) a batch of DATA rows of ``arena`` belonging to ``t``."""
         verdicts = np.zeros(rows.shape[0], dtype=np.uint8)
-        if t.gather:
-            kernels.place_into(
-                arena,
-                lengths,
-                t.target,
-                t.received,
-                session=session,
-                transfer=t.spec,
-                counters=self.counters,
-                contrib=t.contrib,
-                rows=rows,
-                verdicts=verdicts,
+        plan = t.plan
+        if plan is None or plan.session is not session:  # checked once per transfer and session
+            plan = t.plan = kernels.prepare_receive(
+                session, t.spec, t.target, t.contrib, t.received, self.counters, place=t.gather
             )
-        else:
-            kernels.reduce_into(
-                arena,
-                lengths,
-                t.target,
-                t.contrib,
-                t.received,
-                session=session,
-                transfer=t.spec,
-                counters=self.counters,
-                rows=rows,
-                verdicts=verdicts,
-            )
+        kernels.receive_rows(plan, arena, lengths, rows, verdicts)
         # The ACK state follows the judged rows (see transport._kernels_batch.note_arrivals).
         n_ok, n_dup, nbytes = note_arrivals(
             arena,

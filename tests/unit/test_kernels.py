@@ -822,3 +822,28 @@ def test_kernel_config_from_env() -> None:
     strict = kernels.KernelConfig(fastmath=False).reduction_jit()
     assert strict["fastmath"] is False and strict["cache"] is False and strict["nogil"]
     assert kernels.KernelConfig().reduction_jit()["cache"] is True
+
+
+def test_a_receiving_transfer_checks_packets_against_the_current_step_window() -> None:
+    """The receiver prepares its kernel arguments once per transfer; when the session's step
+    window moves (a new session), the next batch is judged by the new window, not the one the
+    arguments were prepared with."""
+    from scheduling.loss import LossPolicy
+    from transport.config import TransportConfig
+    from transport.receiver import InKey, ReceiverCore
+
+    cfg = TransportConfig(job=JOB)
+    events: list = []
+    rc = ReceiverCore(ME, WORLD, cfg, LossPolicy(cfg.loss), lambda *a, **k: b"", events.append, 0)
+    accum, contrib = np.zeros(100, np.float32), np.zeros(4, np.uint16)
+    received = np.zeros((WORLD, 4), np.uint8)
+    received[ME] = 1
+    early = session(step_lo=0, step_hi=10)
+    t = rc.expect(InKey(5, 2, 0, Phase.REDUCE), SPEC, (1, 2, 3), accum, contrib, received, 0.0,
+                  early)  # fmt: skip
+    for chunk, sess, accepted in ((0, early, 1), (1, session(step_lo=6, step_hi=16), 0)):
+        arena, lengths = arena_of([_enc(header(src=1, chunk=chunk, count=32))])
+        before = int(rc.counters[Reason.STALE_STEP])
+        rc.on_data(t, arena, lengths, np.array([0]), np.zeros(1, np.int64), 0.0, sess)
+        assert int(received[1, chunk]) == accepted
+        assert int(rc.counters[Reason.STALE_STEP]) - before == 1 - accepted
