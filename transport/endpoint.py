@@ -11,6 +11,7 @@ dispatch table keyed by :class:`~transport.packet.Kind` (STYLE rule 5).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 
 #: Datagrams held before a batch is processed even if nobody asks.
 RX_BATCH = 256
+#: Fewest arena rows a batch may start with: when early data held in place leaves less room,
+#: the receiver copies it out and the arena is whole again.
+MIN_ROOM = 64
 _OK = int(Reason.OK)  # an int: comparing arrays with an enum member takes NumPy's slow path
 
 
@@ -92,7 +96,11 @@ class Endpoint:
         self._rx_path = np.zeros(RX_BATCH, dtype=np.int64)
         # One writable view per arena row, for drivers that receive straight into the arena.
         self._rx_rows = [row.data for row in self._rx]
-        self._rx_n = 0
+        self._rx_n = 0  # the next free row
+        self._rx_base = 0  # the current batch's first row (above rows held in place)
+        # Batches the receiver holds in place (early data): (end row, weak reference to the
+        # batch's arena view, which the receiver keeps for as long as it holds the rows).
+        self._pins: list[tuple[int, weakref.ref[np.ndarray]]] = []
         self._batch_key = np.zeros(4, dtype=np.int64)  # frame_rows' key of a batch's DATA
         self._rx_first = 0.0
         self._now = 0.0
@@ -164,7 +172,7 @@ class Endpoint:
         """Rows ``first .. first + k`` hold new datagrams: process the batch once it is full."""
         self._now = now
         self._rx_n = first + k
-        if first == 0:
+        if first == self._rx_base:
             self._rx_first = now
         if self._rx_n == RX_BATCH:
             self._flush(now)
@@ -183,7 +191,7 @@ class Endpoint:
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must run next (now, if received datagrams await processing)."""
-        if self._rx_n:
+        if self._rx_n > self._rx_base:
             return self._rx_first + self.config.rx_coalesce_s
         times = [t for t in (self.receiver.get_timer(), self.sender.get_timer()) if t is not None]
         return min(times) if times else None
@@ -280,11 +288,36 @@ class Endpoint:
         return encode_values(values, payload, self.key)
 
     def _flush(self, now: float) -> None:
-        n = self._rx_n
-        if n == 0:
+        b, e = self._rx_base, self._rx_n
+        if e == b:
             return
-        self._rx_n = 0
-        arena, lengths, paths = self._rx[:n], self._rx_len[:n], self._rx_path[:n]
+        self._rx_n = b  # a flush nested in this one finds nothing to do
+        arena = self._rx[b:e]
+        if self._process(arena, self._rx_len[b:e], self._rx_path[b:e], now):
+            self._pins.append((e, weakref.ref(arena)))
+        del arena
+        self._rx_base = self._rx_n = self._next_base()
+
+    def _next_base(self) -> int:
+        """Where the next batch starts: above every batch the receiver still holds in place,
+        else at the top. When too little room is left above, the receiver copies what it
+        holds (what it would have done at once without pinning) and the arena is whole."""
+        self._pins = [(end, ref) for end, ref in self._pins if ref() is not None]
+        if not self._pins:
+            return 0
+        base = max(end for end, _ in self._pins)
+        if RX_BATCH - base >= MIN_ROOM:
+            return base
+        self.receiver.unpin()
+        self._pins = []
+        return 0
+
+    def _process(
+        self, arena: np.ndarray, lengths: np.ndarray, paths: np.ndarray, now: float
+    ) -> bool:
+        """Process one batch of datagrams; True when the receiver holds some of its rows in
+        place (early data)."""
+        n = arena.shape[0]
         data_rows = np.empty(n, dtype=np.int64)
         ctrl_rows = np.empty(n, dtype=np.int64)
         key = self._batch_key
@@ -303,9 +336,11 @@ class Endpoint:
                 groups = self._groups(hv, rows)
             else:
                 groups = [(InKey(int(key[0]), int(key[1]), int(key[2]), int(key[3])), rows)]
-            self._flush_data(arena, lengths, paths, hv, groups, now)
+            pinned = self._flush_data(arena, lengths, paths, hv, groups, now)
+        else:
+            pinned = False
         if not nc:
-            return
+            return pinned
         assert hv is not None
         for i, n_i, path in zip(
             ctrl_rows[:nc].tolist(),
@@ -321,6 +356,7 @@ class Endpoint:
                 continue
             self.counters[_OK] += 1
             self._dispatch[h.kind](raw, h._asdict(), path, now)
+        return pinned
 
     @staticmethod
     def _groups(hv: np.ndarray, rows: np.ndarray) -> list[tuple[InKey, np.ndarray]]:
@@ -355,7 +391,9 @@ class Endpoint:
         hv: np.ndarray | None,
         groups: Iterable[tuple[InKey, np.ndarray]],
         now: float,
-    ) -> None:
+    ) -> bool:
+        """DATA rows to their transfers, or held as early data; True if any are held in place."""
+        pinned = False
         for key, grp in groups:
             t = self.receiver.transfers.get(key)
             if t is not None:
@@ -378,9 +416,10 @@ class Endpoint:
                 self.counters += np.bincount(why[bad], minlength=N_REASONS)[:N_REASONS]
                 held = grp[~bad]
             if held.size:
-                self.receiver.on_unknown_data(
-                    key, arena, lengths, paths, held, hv["src"][held], now
+                pinned |= self.receiver.on_unknown_data(
+                    key, arena, lengths, paths, held, hv["src"][held], now, pin=True
                 )
+        return pinned
 
     # -- control handlers (dispatch table) -----------------------------------------------------
     @staticmethod

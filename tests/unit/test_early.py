@@ -1,7 +1,7 @@
-"""Early data: DATA for a collective a rank has not started yet is checked, held as blocks of
-arena rows within ``early_buffer_bytes``, and replayed (the kernels check every packet) when it
-starts; forged early data is counted and never held; what does not fit is dropped, counted,
-and recovered like any loss."""
+"""Early data: DATA for a collective a rank has not started yet is checked, held within
+``early_buffer_bytes`` (full-size datagrams in place in the receive arena, small ones copied),
+and replayed (the kernels check every packet) when it starts; forged early data is counted and
+never held; what does not fit is dropped, counted, and recovered like any loss."""
 
 from __future__ import annotations
 
@@ -43,11 +43,9 @@ def test_early_data_is_held_then_replayed_exactly():
     eps = _ranks()
     sent = _early_into_rank1(eps, datas[0])
     rx = eps[1].endpoint.receiver
-    held = sum(lengths.shape[0] for blocks in rx.early.values() for _, lengths, _ in blocks)
+    held = sum(h.rows.shape[0] for entries in rx.early.values() for h in entries)
     assert sent == -(-1500 * 4 // 256) and held == sent  # all of rank 1's shard, held
-    assert rx.early_bytes == sum(  # what the held blocks occupy
-        block.nbytes for blocks in rx.early.values() for block, _, _ in blocks
-    )
+    assert rx.early_bytes == sum(h.nbytes for entries in rx.early.values() for h in entries)
     out = _finish(eps, datas)
     expect = datas[0] + datas[1]
     for r in range(2):
@@ -114,8 +112,69 @@ def test_tiny_early_datagrams_count_what_they_occupy():
             ep.receive_datagram(encode(hdr.with_(chunk=chunk), bytes(4), ep.key), 0, 0.0)
     ep.datagrams_to_send(0.0)  # processes the batch
     rx = ep.receiver
-    occupied = sum(block.nbytes for blocks in rx.early.values() for block, _, _ in blocks)
+    occupied = sum(h.nbytes for entries in rx.early.values() for h in entries)
     assert rx.early_bytes == occupied <= 8192
     # 38 x 8 datagrams of 56 B each: 8192 // 56 = 146 of them fit, the rest are dropped
     assert rx.early_dropped == 38 * 8 - 146
-    assert all(block.shape[1] == 56 for blocks in rx.early.values() for block, _, _ in blocks)
+    # compact copies, not arena rows held in place: tiny datagrams are not worth a whole row
+    assert all(
+        h.arena.shape[1] == 56 and not h.pinned for entries in rx.early.values() for h in entries
+    )
+
+
+def _held(rx) -> list:
+    return [h for entries in rx.early.values() for h in entries]
+
+
+def test_early_data_is_held_in_place_and_never_overwritten():
+    """Full-size early datagrams stay in the endpoint's receive arena (no copy): later batches
+    go into the rows above them, so what is held is bit for bit what arrived, and the replay
+    uses it (nothing is rejected or resent)."""
+    rng = np.random.default_rng(7)
+    datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
+    eps = _ranks()
+    _early_into_rank1(eps, datas[0])
+    ep = eps[1].endpoint
+    held = _held(ep.receiver)
+    assert held and all(h.pinned for h in held)
+    before = [h.arena[h.rows].copy() for h in held]
+    base = ep.rx_free
+    assert base >= max(h.rows.max() for h in held) + 1  # the next batch starts above them
+    # More datagrams arrive (a collective rank 1 has not started either) and are processed.
+    eps[0].start(2, 0, datas[0], 0.5, 0.0)
+    for dg in flat(eps[0].datagrams_to_send(0.0)):
+        ep.receive_datagram(dg.wire(), dg.path, 0.0)
+    ep.datagrams_to_send(0.0)
+    assert all((h.arena[h.rows] == b).all() for h, b in zip(held, before, strict=True))
+    out = _finish(eps, datas)
+    for r in range(2):
+        np.testing.assert_allclose(out[r].result, datas[0] + datas[1], rtol=1e-6)
+    assert ep.counters[Reason.BAD_TAG] == 0
+    assert sum(out[0].report.sender.retransmitted) == 0  # rank 0 resent nothing
+
+
+def test_early_data_is_copied_out_when_the_arena_runs_out_of_room():
+    """Held batches fill the arena from the top; when fewer than MIN_ROOM rows are left, the
+    receiver copies what it holds, the arena is whole again, and the data is still exact."""
+    from transport.endpoint import MIN_ROOM, RX_BATCH
+
+    rng = np.random.default_rng(8)
+    datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
+    eps = _ranks()
+    ep = eps[1].endpoint
+    per_collective = _early_into_rank1(eps, datas[0])  # rows of one early collective
+    steps = [1]
+    while ep.rx_free != 0:
+        step = steps[-1] + 1
+        steps.append(step)
+        eps[0].start(step, 0, datas[0], 0.5, 0.0)
+        for dg in flat(eps[0].datagrams_to_send(0.0)):
+            ep.receive_datagram(dg.wire(), dg.path, 0.0)
+        ep.datagrams_to_send(0.0)
+        assert len(steps) <= RX_BATCH // per_collective + 2
+    held = _held(ep.receiver)
+    assert len(held) >= (RX_BATCH - MIN_ROOM) // per_collective and not any(h.pinned for h in held)
+    assert ep.receiver.early_bytes == sum(h.nbytes for h in held)
+    out = _finish(eps, datas)  # step 1: its held data, now copied, is replayed
+    for r in range(2):
+        np.testing.assert_allclose(out[r].result, datas[0] + datas[1], rtol=1e-6)
