@@ -323,7 +323,7 @@ class Engine:
         if pending.start(
             self._core, fut, step, bucket, data, layer_position, dtype, now, servers, out, pinned
         ):
-            self._service()
+            self._service(send_first=True)
 
     def _on_datagram(self, nbytes: int, path: int, now: float) -> None:
         # Only with injected loss: the datagram is already in the core's arena; a dropped one
@@ -352,13 +352,13 @@ class Engine:
             return
         self._service()
 
-    def _service(self) -> None:
+    def _service(self, send_first: bool = False) -> None:
         """Flush output, resolve finished collectives, re-arm the timer."""
         self._service_pending = False
         if self._io_done:
             return
         try:
-            self._service_once()
+            self._service_once(send_first)
         except Exception as e:
             self._crashed(e)
 
@@ -373,8 +373,14 @@ class Engine:
 
         self._pending.fail_all(error)
 
-    def _service_once(self) -> None:
+    def _service_once(self, send_first: bool = False) -> None:
         core = self._core
+        if send_first:
+            # A collective just started: its first datagrams go on the wire before anything is
+            # read, since the peers wait on them, while reading may bring a whole batch to
+            # process first (a peer's shard to reduce and a gather phase to start): at 2 x 1 MB
+            # that put a rank's first datagram ~1 ms after its start.
+            self._udp.send(core.datagrams_to_send(time.monotonic()))
         # Take in what has arrived first: acknowledgements free the window and are answered in
         # this same pass, so a rank sending at full speed still reads (and ACKs) promptly.
         self._udp.poll()

@@ -19,6 +19,7 @@ from scheduling.pacing import PacingConfig
 from transport.config import TransportConfig
 from transport.engine import Engine
 from transport.errors import ConfigError, PeerTimeout, TransferFailed
+from transport.events import DatagramRun
 from transport.packet import DType, Header, Kind, Phase, encode
 from transport.rendezvous import Address, StaticPeers
 from transport.tag import TagKey
@@ -135,6 +136,37 @@ def test_reliable_allreduce_equals_sum(cluster: MakeCluster, world: int, kind: s
             assert res.dtype == np.uint16
             # one bf16 rounding of the f32 sum: within half a bf16 ulp (2^-8 relative)
             np.testing.assert_allclose(bf16_to_f32(res), ref, rtol=2.0**-8, atol=1e-30)
+
+
+def test_a_started_collective_sends_before_it_reads(cluster: MakeCluster):
+    """A collective's first datagrams go on the wire before the engine reads its sockets: the
+    peers wait on them, while reading first may mean processing a whole batch first."""
+    engines = cluster(2)
+    udp = engines[0]._udp
+    assert udp is not None
+    log: list[str] = []
+    sent = threading.Event()
+    send, poll = udp.send, udp.poll
+
+    def spy_send(datagrams):  # the real send, noting when DATA goes out
+        datagrams = list(datagrams)
+        if any(isinstance(d, DatagramRun) for d in datagrams):
+            log.append("data")
+            sent.set()
+        return send(datagrams)
+
+    def spy_poll():
+        log.append("poll")
+        return poll()
+
+    udp.send, udp.poll = spy_send, spy_poll  # type: ignore[method-assign]
+    data = [np.ones(300_000, np.float32), np.ones(300_000, np.float32)]
+    f0 = engines[0].submit(1, 0, data[0])
+    assert sent.wait(WAIT_S)  # rank 1 starts only now: nothing of it can arrive first
+    f1 = engines[1].submit(1, 0, data[1])
+    for f in (f0, f1):
+        np.testing.assert_array_equal(f.result(WAIT_S)[0], 2.0)
+    assert log[0] == "data", log[:4]
 
 
 @pytest.mark.timeout(60)
