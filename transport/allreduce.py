@@ -319,7 +319,9 @@ class TransposeAllReduce:
                     now,
                     pinned,
                 )
-        self._pump(now)
+        # Only what the start itself produced (transfers complete from early data): a batch of
+        # received datagrams waits until this collective's first datagrams are out.
+        self._pump(now, flush=False)
 
     @property
     def in_flight(self) -> int:
@@ -339,10 +341,12 @@ class TransposeAllReduce:
         """Commit a datagram received into :meth:`rx_buffer` (see :class:`Endpoint`)."""
         self.endpoint.commit_datagram(nbytes, path, now)
 
-    def datagrams_to_send(self, now: float) -> list[Datagram | DatagramRun]:
-        """Datagrams to send now (see :class:`Endpoint`)."""
-        self._pump(now)
-        return self.endpoint.datagrams_to_send(now)
+    def datagrams_to_send(
+        self, now: float, *, process_input: bool = True
+    ) -> list[Datagram | DatagramRun]:
+        """Datagrams to send now (see :meth:`Endpoint.datagrams_to_send`)."""
+        self._pump(now, flush=process_input)
+        return self.endpoint.datagrams_to_send(now, process_input=process_input)
 
     def get_timer(self) -> float | None:
         """Next time ``handle_timer`` must run."""
@@ -366,9 +370,12 @@ class TransposeAllReduce:
     def _seed(self, step: int, bucket: int) -> int:
         return (self.config.job * 0x9E3779B1 + step * 65537 + bucket) & 0x7FFFFFFFFFFFFFFF
 
-    def _pump(self, now: float) -> None:
-        """Advance collectives on the endpoint's events."""
-        while (ev := self.endpoint.next_event()) is not None:
+    def _pump(self, now: float, flush: bool = True) -> None:
+        """Advance collectives on the endpoint's events (without ``flush``: only the events
+        already produced, leaving received datagrams for later)."""
+        ep = self.endpoint
+        nxt = ep.next_event if flush else ep.pop_event
+        while (ev := nxt()) is not None:
             if isinstance(ev, TransferComplete):
                 self._on_transfer(ev.report, now)
             elif isinstance(ev, PeerTimedOut):

@@ -177,10 +177,17 @@ class Endpoint:
         if self._rx_n == RX_BATCH:
             self._flush(now)
 
-    def datagrams_to_send(self, now: float) -> list[Datagram | DatagramRun]:
-        """Receiver control (ACK/NACK/STOP), probe answers, then sender output."""
+    def datagrams_to_send(
+        self, now: float, *, process_input: bool = True
+    ) -> list[Datagram | DatagramRun]:
+        """Receiver control (ACK/NACK/STOP), probe answers, then sender output.
+
+        Received datagrams whose coalescing window has passed are processed first, unless
+        ``process_input`` is False: a driver that just started a collective sends its first
+        datagrams before it spends time on a batch that is waiting (the peers wait on them).
+        """
         self._now = now
-        if now >= self._rx_first + self.config.rx_coalesce_s:
+        if process_input and now >= self._rx_first + self.config.rx_coalesce_s:
             self._flush(now)
         out: list[Datagram | DatagramRun] = list(self.receiver.datagrams_to_send(now))
         if self._control:
@@ -202,6 +209,10 @@ class Endpoint:
         self._flush(now)
         self.receiver.handle_timer(now)
         self.sender.handle_timer(now)
+
+    def pop_event(self) -> Event | None:
+        """Pop the next event already produced (received datagrams are left unprocessed)."""
+        return self._events.popleft() if self._events else None
 
     def next_event(self) -> Event | None:
         """Pop the next event (after processing input whose coalescing window has passed)."""

@@ -377,10 +377,10 @@ class Engine:
         core = self._core
         if send_first:
             # A collective just started: its first datagrams go on the wire before anything is
-            # read, since the peers wait on them, while reading may bring a whole batch to
-            # process first (a peer's shard to reduce and a gather phase to start): at 2 x 1 MB
-            # that put a rank's first datagram ~1 ms after its start.
-            self._udp.send(core.datagrams_to_send(time.monotonic()))
+            # read or processed, since the peers wait on them, while a batch (read now, or
+            # before the start) can mean a peer's whole shard to reduce and a gather phase to
+            # start first: at 2 x 1 MB that put a rank's first datagram ~1 ms after its start.
+            self._udp.send(core.datagrams_to_send(time.monotonic(), process_input=False))
         # Take in what has arrived first: acknowledgements free the window and are answered in
         # this same pass, so a rank sending at full speed still reads (and ACKs) promptly.
         self._udp.poll()

@@ -10,7 +10,7 @@ import numpy as np
 from tests.unit.wire import Wire
 from transport.allreduce import TransposeAllReduce
 from transport.config import TransportConfig
-from transport.events import AllReduceComplete, flat
+from transport.events import AllReduceComplete, DatagramRun, flat
 from transport.packet import HEADER_SIZE, Header, Kind, Phase, Reason, encode
 
 
@@ -178,3 +178,25 @@ def test_early_data_is_copied_out_when_the_arena_runs_out_of_room():
     out = _finish(eps, datas)  # step 1: its held data, now copied, is replayed
     for r in range(2):
         np.testing.assert_allclose(out[r].result, datas[0] + datas[1], rtol=1e-6)
+
+
+def test_a_start_sends_before_it_processes_waiting_input():
+    """Datagrams that arrived before a collective starts wait, unprocessed, until its first
+    datagrams are out (datagrams_to_send with process_input=False); then they count as usual."""
+    rng = np.random.default_rng(9)
+    datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
+    eps = _ranks()
+    eps[0].start(1, 0, datas[0], 0.5, 0.0)
+    for dg in flat(eps[0].datagrams_to_send(0.0)):
+        eps[1].receive_datagram(dg.wire(), dg.path, 0.0)  # waiting in rank 1's arena
+    ep = eps[1].endpoint
+    eps[1].start(1, 0, datas[1], 0.5, 0.0)
+    first = eps[1].datagrams_to_send(0.0, process_input=False)
+    assert any(isinstance(d, DatagramRun) for d in first)  # rank 1's shard for rank 0
+    assert ep.rx_free > 0 and not ep.receiver.early  # the batch is still waiting
+    for dg in flat(first):
+        eps[0].receive_datagram(dg.wire(), dg.path, 0.0)
+    wire = Wire(eps)
+    wire.run(lambda: sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == 2)
+    for _, _, e in wire.events:
+        np.testing.assert_allclose(e.result, datas[0] + datas[1], rtol=1e-6)
