@@ -47,10 +47,13 @@ __all__ = ["Endpoint"]
 
 log = logging.getLogger(__name__)
 
-#: Datagrams held before a batch is processed even if nobody asks.
-RX_BATCH = 256
-#: Fewest arena rows a batch may start with: when early data held in place leaves less room,
-#: the receiver copies it out and the arena is whole again.
+#: Rows of the receive arena: a batch is processed when it reaches the last row even if nobody
+#: asks. 512 slots of 65000-byte datagrams are 33 MB of address space, touched only as deep as
+#: batches go: with 256, a rank a whole scatter phase behind its peers (4 x 25 MB: ~290 early
+#: datagrams) had to copy the early data that did not fit in place.
+RX_BATCH = 512
+#: Fewest arena rows left above a batch whose early data the receiver may hold in place: the
+#: next batches go there (beyond it, early data is copied out of the arena).
 MIN_ROOM = 64
 _OK = int(Reason.OK)  # an int: comparing arrays with an enum member takes NumPy's slow path
 
@@ -304,30 +307,22 @@ class Endpoint:
             return
         self._rx_n = b  # a flush nested in this one finds nothing to do
         arena = self._rx[b:e]
-        if self._process(arena, self._rx_len[b:e], self._rx_path[b:e], now):
+        # Early data may stay in place only if the rows above this batch leave room for the
+        # next ones; otherwise the receiver copies it (as it always did before pinning).
+        pin = RX_BATCH - e >= MIN_ROOM
+        if self._process(arena, self._rx_len[b:e], self._rx_path[b:e], now, pin):
             self._pins.append((e, weakref.ref(arena)))
         del arena
-        self._rx_base = self._rx_n = self._next_base()
-
-    def _next_base(self) -> int:
-        """Where the next batch starts: above every batch the receiver still holds in place,
-        else at the top. When too little room is left above, the receiver copies what it
-        holds (what it would have done at once without pinning) and the arena is whole."""
+        # The next batch starts above every batch the receiver still holds in place (it
+        # drops a held batch when its collective starts or the data expires), else at the top.
         self._pins = [(end, ref) for end, ref in self._pins if ref() is not None]
-        if not self._pins:
-            return 0
-        base = max(end for end, _ in self._pins)
-        if RX_BATCH - base >= MIN_ROOM:
-            return base
-        self.receiver.unpin()
-        self._pins = []
-        return 0
+        self._rx_base = self._rx_n = max((end for end, _ in self._pins), default=0)
 
     def _process(
-        self, arena: np.ndarray, lengths: np.ndarray, paths: np.ndarray, now: float
+        self, arena: np.ndarray, lengths: np.ndarray, paths: np.ndarray, now: float, pin: bool
     ) -> bool:
-        """Process one batch of datagrams; True when the receiver holds some of its rows in
-        place (early data)."""
+        """Process one batch of datagrams (with ``pin``, early data may be held in place);
+        True when the receiver holds some of its rows in place."""
         n = arena.shape[0]
         data_rows = np.empty(n, dtype=np.int64)
         ctrl_rows = np.empty(n, dtype=np.int64)
@@ -347,7 +342,7 @@ class Endpoint:
                 groups = self._groups(hv, rows)
             else:
                 groups = [(InKey(int(key[0]), int(key[1]), int(key[2]), int(key[3])), rows)]
-            pinned = self._flush_data(arena, lengths, paths, hv, groups, now)
+            pinned = self._flush_data(arena, lengths, paths, hv, groups, now, pin)
         else:
             pinned = False
         if not nc:
@@ -402,6 +397,7 @@ class Endpoint:
         hv: np.ndarray | None,
         groups: Iterable[tuple[InKey, np.ndarray]],
         now: float,
+        pin: bool,
     ) -> bool:
         """DATA rows to their transfers, or held as early data; True if any are held in place."""
         pinned = False
@@ -428,7 +424,7 @@ class Endpoint:
                 held = grp[~bad]
             if held.size:
                 pinned |= self.receiver.on_unknown_data(
-                    key, arena, lengths, paths, held, hv["src"][held], now, pin=True
+                    key, arena, lengths, paths, held, hv["src"][held], now, pin=pin
                 )
         return pinned
 

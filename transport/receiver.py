@@ -71,8 +71,7 @@ class _Held:
     and ``paths`` (indexed by arena row), ``nbytes`` counted against ``early_buffer_bytes``.
 
     ``pinned``: ``arena`` is the endpoint's own receive batch, held in place (the endpoint
-    writes no new datagram into it until this is released or copied by ``unpin``); else a
-    compact copy of the rows.
+    writes no new datagram into it until this is released); else a compact copy of the rows.
     """
 
     arena: np.ndarray
@@ -321,8 +320,8 @@ class ReceiverCore:
 
         With ``pin``, the caller lets full-size datagrams be held in place: ``arena`` itself is
         kept (every row counted at its full width), and True returned; the caller then writes
-        nothing into ``arena`` while this holds it (until the transfer starts, the data expires,
-        or :meth:`unpin`). Otherwise, and for small datagrams, the rows are copied into a block
+        nothing into ``arena`` while this holds it (until the transfer starts or the data
+        expires). Otherwise, and for small datagrams, the rows are copied into a block
         as wide as the longest of them. Copying was ~30 µs per 64 KB row on a busy 2-core host,
         where most of a rank's early data arrives while its peers have already started.
         """
@@ -363,17 +362,6 @@ class ReceiverCore:
         block = arena[rows, :width]
         n = int(rows.shape[0])
         return _Held(block, sizes, paths[rows], np.arange(n), block.nbytes, False)
-
-    def unpin(self) -> None:
-        """Copy every held batch out of the endpoint's arena (which it needs whole again)."""
-        for entries in self.early.values():
-            for i, h in enumerate(entries):
-                if h.pinned:
-                    sizes = h.lengths[h.rows]
-                    width = min(h.arena.shape[1], -(-int(sizes.max()) // 8) * 8)
-                    copy = self._copied(h.arena, h.paths, h.rows, sizes, width)
-                    self.early_bytes += copy.nbytes - h.nbytes
-                    entries[i] = copy
 
     def _stop_late(self, key: InKey, src: int, now: float) -> None:
         """Answer a sender still talking about a finished transfer with STOP (rate-limited)."""
