@@ -403,6 +403,7 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     "MB": mb,
                     "median_s": med,
                     "p99_s": _pct(xs, 99),
+                    "times_s": [float(x) for x in xs],  # every repetition, in run order
                     "reps": len(xs),
                     "ratio_to_gloo": med / gloo if gloo > 0 else math.nan,
                     "gbps": mb * MB * 8 / med / 1e9 if med > 0 else math.nan,
