@@ -70,7 +70,6 @@ class PathState(IntEnum):
     DOWN = 2
 
 
-# Plain ints for the hot paths (enum attribute lookups cost more than the comparisons).
 #: Batches up to this many packets take the scalar path in :meth:`PathSet.assign`.
 _SMALL_BATCH = 4
 

@@ -441,7 +441,7 @@ class Endpoint:
 
     def _on_ack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
         bits = self._bits(raw, f["count"])
-        ack_delay = float(np.frombuffer(raw, dtype=np.float32, count=1, offset=32)[0])
+        ack_delay = f["norm"]  # the receiver's hold time travels in the norm field
         self.sender.on_ack(
             self._out_key(f),
             f["chunk"],

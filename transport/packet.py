@@ -280,15 +280,14 @@ def decode_header(data: bytes | bytearray | memoryview | np.ndarray) -> Header:
     buf = _as_u8(data)
     if buf.shape[0] < HEADER_SIZE:
         raise ProtocolError(Reason.TRUNCATED, f"{buf.shape[0]} bytes < header {HEADER_SIZE}")
-    rec = buf[:HEADER_SIZE].view(HEADER_DTYPE)[0]
-    if int(rec["magic"]) != MAGIC:
-        raise ProtocolError(Reason.BAD_MAGIC, hex(int(rec["magic"])))
-    if int(rec["version"]) != VERSION:
-        raise ProtocolError(Reason.BAD_VERSION, str(int(rec["version"])))
-    if int(rec["kind"]) not in _KINDS:
-        raise ProtocolError(Reason.BAD_KIND, str(int(rec["kind"])))
-    values = {name: rec[name].item() for name in _FIELDS}
-    return Header(**values)
+    h = header_fields(buf)
+    if h.magic != MAGIC:
+        raise ProtocolError(Reason.BAD_MAGIC, hex(h.magic))
+    if h.version != VERSION:
+        raise ProtocolError(Reason.BAD_VERSION, str(h.version))
+    if h.kind not in _KINDS:
+        raise ProtocolError(Reason.BAD_KIND, str(h.kind))
+    return Header(**h._asdict())
 
 
 def header_view(arena: np.ndarray) -> np.ndarray:

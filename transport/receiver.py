@@ -41,7 +41,6 @@ from transport.config import TransportConfig
 from transport.errors import PeerTimeout
 from transport.events import Datagram, Event, LossReport, PeerTimedOut, TransferComplete
 from transport.packet import (
-    HEADER_DTYPE,
     N_REASONS,
     Kind,
     Phase,
@@ -49,6 +48,7 @@ from transport.packet import (
     SessionSpec,
     TransferSpec,
     chunk_counts,
+    header_fields,
 )
 
 __all__ = ["InKey", "InTransfer", "ReceiverCore"]
@@ -69,17 +69,14 @@ class InKey(NamedTuple):
 class _Held:
     """Early DATA rows of one transfer: ``rows`` of ``arena`` with their datagram ``lengths``
     and ``paths`` (indexed by arena row), ``nbytes`` counted against ``early_buffer_bytes``.
-
-    ``pinned``: ``arena`` is the endpoint's own receive batch, held in place (the endpoint
-    writes no new datagram into it until this is released); else a compact copy of the rows.
-    """
+    ``arena`` is the endpoint's own receive batch, held in place (the endpoint writes no new
+    datagram into it until this is released), or a compact copy of the rows."""
 
     arena: np.ndarray
     lengths: np.ndarray
     paths: np.ndarray
     rows: np.ndarray
     nbytes: int
-    pinned: bool
 
 
 class InTransfer:
@@ -274,7 +271,7 @@ class ReceiverCore:
         header: dict | None = None,
     ) -> None:
         """MANIFEST or FIN from a sender (already validated by the endpoint)."""
-        h = header if header is not None else _fields(data)
+        h = header if header is not None else header_fields(np.frombuffer(data, np.uint8))._asdict()
         key = InKey(h["step"], h["bucket"], h["shard"], h["phase"])
         t = t_hint or self.transfers.get(key)
         if t is None:
@@ -345,8 +342,7 @@ class ReceiverCore:
             if not rows.size:
                 return False
         if pin:
-            held = _Held(arena, lengths.copy(), paths.copy(), rows.copy(), 0, True)
-            held.nbytes = int(rows.shape[0]) * charge
+            held = _Held(arena, lengths.copy(), paths.copy(), rows.copy(), rows.shape[0] * charge)
         else:
             held = self._copied(arena, paths, rows, sizes, width)
         self.early.setdefault(key, []).append(held)
@@ -361,7 +357,7 @@ class ReceiverCore:
         """``rows`` of ``arena`` copied into a block ``width`` bytes wide."""
         block = arena[rows, :width]
         n = int(rows.shape[0])
-        return _Held(block, sizes, paths[rows], np.arange(n), block.nbytes, False)
+        return _Held(block, sizes, paths[rows], np.arange(n), block.nbytes)
 
     def _stop_late(self, key: InKey, src: int, now: float) -> None:
         """Answer a sender still talking about a finished transfer with STOP (rate-limited)."""
@@ -612,11 +608,3 @@ class ReceiverCore:
                 )
             )
             self._stop_sent[(t.key, s)] = now
-
-
-def _fields(data: bytes | memoryview) -> dict:
-    rec = np.frombuffer(data, dtype=np.uint8)[:48].view(HEADER_DTYPE)[0]
-    return {
-        name: int(rec[name])
-        for name in ("kind", "step", "bucket", "shard", "phase", "src", "count")
-    }

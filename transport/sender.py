@@ -577,11 +577,8 @@ class SenderCore:
         # One datagram per chunk (its header row and a view of its payload, never copied), as
         # one run per class: a socket driver sends it with one system call per path and no
         # Python per datagram. New chunks come in class order, so each class is one stretch.
-        if n_runs == 1:
-            out.append(t.run(chunks, paths, self._tos[int(t.prio[chunks[0]])]))
-        else:
-            for a, b in zip(bounds[:n_runs].tolist(), bounds[1 : n_runs + 1].tolist(), strict=True):
-                out.append(t.run(chunks[a:b], paths[a:b], self._tos[int(t.prio[chunks[a]])]))
+        for a, b in zip(bounds[:n_runs].tolist(), bounds[1 : n_runs + 1].tolist(), strict=True):
+            out.append(t.run(chunks[a:b], paths[a:b], self._tos[int(t.prio[chunks[a]])]))
         return fit, fit + skipped, total
 
     def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:

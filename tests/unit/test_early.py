@@ -118,8 +118,15 @@ def test_tiny_early_datagrams_count_what_they_occupy():
     assert rx.early_dropped == 38 * 8 - 146
     # compact copies, not arena rows held in place: tiny datagrams are not worth a whole row
     assert all(
-        h.arena.shape[1] == 56 and not h.pinned for entries in rx.early.values() for h in entries
+        h.arena.shape[1] == 56 and not _in_place(ep, h)
+        for entries in rx.early.values()
+        for h in entries
     )
+
+
+def _in_place(ep, h) -> bool:
+    """The held rows are the endpoint's own arena (not a copy)."""
+    return np.shares_memory(h.arena, ep.rx_arena)
 
 
 def _held(rx) -> list:
@@ -136,7 +143,7 @@ def test_early_data_is_held_in_place_and_never_overwritten():
     _early_into_rank1(eps, datas[0])
     ep = eps[1].endpoint
     held = _held(ep.receiver)
-    assert held and all(h.pinned for h in held)
+    assert held and all(_in_place(ep, h) for h in held)
     before = [h.arena[h.rows].copy() for h in held]
     base = ep.rx_free
     assert base >= max(h.rows.max() for h in held) + 1  # the next batch starts above them
@@ -164,7 +171,9 @@ def test_early_data_is_copied_once_the_arena_has_no_room_to_spare():
     ep = eps[1].endpoint
     _early_into_rank1(eps, datas[0])
     step = 1
-    while all(h.pinned for h in _held(ep.receiver)):  # more collectives rank 1 has not started
+    while all(
+        _in_place(ep, h) for h in _held(ep.receiver)
+    ):  # more collectives rank 1 has not started
         step += 1
         assert step < RX_BATCH
         eps[0].start(step, 0, datas[0], 0.5, 0.0)
@@ -173,7 +182,7 @@ def test_early_data_is_copied_once_the_arena_has_no_room_to_spare():
         ep.datagrams_to_send(0.0)
         assert RX_BATCH - ep.rx_free >= MIN_ROOM  # room for the next batch, always
     held = _held(ep.receiver)
-    assert any(h.pinned for h in held) and not held[-1].pinned  # the last one was copied
+    assert any(_in_place(ep, h) for h in held) and not _in_place(ep, held[-1])  # copied
     assert ep.receiver.early_bytes == sum(h.nbytes for h in held)
     out = _finish(eps, datas)  # step 1: its data held in place, replayed
     for r in range(2):
