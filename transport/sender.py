@@ -516,7 +516,7 @@ class SenderCore:
         avail: int,
         budget: int,
         out: list[Datagram | DatagramRun],
-        upto: int | None = None,
+        upto: int,
     ) -> tuple[int, int, int]:
         """Send up to ``budget`` chunks of class ``cls`` from ``t`` within the peer's allowance,
         and new chunks of the classes after it up to ``upto`` (one run per class: each class
@@ -532,7 +532,7 @@ class SenderCore:
         skipped = 0
         if retx.size < budget and t.cursor < t.n_chunks:
             window = t.order[t.cursor : t.cursor + (budget - retx.size)]
-            last = cls if upto is None else max(cls, upto)
+            last = max(cls, upto)
             other = np.flatnonzero((t.prio[window] < cls) | (t.prio[window] > last))
             fresh = window[: other[0]] if other.size else window
             kept = self._skip_late_droppable(t, fresh, now)
