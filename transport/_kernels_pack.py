@@ -188,6 +188,25 @@ def _max_abs_u16(h: np.ndarray, bf16: bool) -> np.float32:
 
 
 @njit(**REDUCTION)
+def stats_chunk_f32(s32: np.ndarray, sf: np.ndarray) -> tuple[np.float32, np.uint64, np.uint64]:
+    """One float32 chunk (its u32 bits and float view): L2 norm and the fast-tag sums.
+
+    The one definition of a chunk's statistics: :func:`stats_f32` runs it over a shard and the
+    reduce kernel on a chunk its last contribution just completed, so both give the same bits.
+    """
+    a = _U64(0)
+    b = _U64(0)
+    ss = np.float32(0.0)
+    for j in range(s32.shape[0]):
+        wu = _U64(s32[j])
+        a += wu
+        b += _U64(_U32(j)) * wu
+        x = sf[j]
+        ss += x * x
+    return np.sqrt(ss), a, b
+
+
+@njit(**REDUCTION)
 def stats_f32(
     src32: np.ndarray,
     chunk_elems: int,
@@ -201,20 +220,9 @@ def stats_f32(
     for c in range(norms.shape[0]):
         off = c * chunk_elems
         count = min(chunk_elems, n - off)
-        s32 = src32[off : off + count]
-        sf = srcf[off : off + count]
-        a = _U64(0)
-        b = _U64(0)
-        ss = np.float32(0.0)
-        for j in range(count):
-            wu = _U64(s32[j])
-            a += wu
-            b += _U64(_U32(j)) * wu
-            x = sf[j]
-            ss += x * x
-        norms[c] = np.sqrt(ss)
-        sum_a[c] = a
-        sum_b[c] = b
+        norms[c], sum_a[c], sum_b[c] = stats_chunk_f32(
+            src32[off : off + count], srcf[off : off + count]
+        )
 
 
 @njit(**REDUCTION)

@@ -35,6 +35,7 @@ from transport._kernels_common import (
     fast_tag_row,
     siphash_row,
 )
+from transport._kernels_pack import stats_chunk_f32
 from transport.packet import (
     BITMAP_KINDS,
     HEADER_SIZE,
@@ -341,8 +342,19 @@ def reduce_f32(
     received: np.ndarray,
     counters: np.ndarray,
     verdicts: np.ndarray,
+    acc_bits: np.ndarray,
+    norms: np.ndarray,
+    sum_a: np.ndarray,
+    sum_b: np.ndarray,
+    final: int,
 ) -> int:
-    """Validate each batch row and add the valid F32 payloads into ``accum``."""
+    """Validate each batch row and add the valid F32 payloads into ``accum``.
+
+    With ``norms`` (one per chunk; empty: off), a chunk whose contributor count reaches
+    ``final`` gets its statistics (:func:`stats_chunk_f32` of the sum, ``acc_bits`` being
+    ``accum``'s u32 view) into ``norms``/``sum_a``/``sum_b`` right after that last add, while it
+    is still in cache: the gather phase then sends it without reading the shard again.
+    """
     sp = load_spec(spec)
     ex = expected_words(sp, arena.shape[1])
     ce = sp[S_T_CHUNK_ELEMS]
@@ -352,6 +364,7 @@ def reduce_f32(
     a64 = arena.view(np.uint64)
     af = arena.view(np.float32)
     want_verdicts = verdicts.shape[0] > 0
+    want_stats = norms.shape[0] > 0
     _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
@@ -375,6 +388,10 @@ def reduce_f32(
             for j in range(count):
                 acc[j] += pay[j]
             contrib[chunk] += np.uint16(1)
+            if want_stats and contrib[chunk] == final:
+                norms[chunk], sum_a[chunk], sum_b[chunk] = stats_chunk_f32(
+                    acc_bits[off : off + count], acc
+                )
             received[sr, chunk] = 1
             accepted += 1
         else:

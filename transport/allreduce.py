@@ -155,6 +155,9 @@ class _Collective:
     accum: np.ndarray  # float32 sums of this rank's shard (a view of ``result`` for float32)
     contrib: np.ndarray
     rotated: bool
+    # Per-chunk statistics of this rank's finished sums, written by the reduce kernel as each
+    # chunk's last contribution lands (float32 only; None otherwise): what the gather sends.
+    stats: kernels.ChunkStats | None = None
     reduce_report: LossReport | None = None
     gather_reports: dict[int, LossReport] = field(default_factory=dict)
     gather_received: dict[int, np.ndarray] = field(default_factory=dict)
@@ -269,6 +272,12 @@ class TransposeAllReduce:
             contrib,
             rotated,
         )
+        if wdt == DType.F32:
+            c.stats = kernels.ChunkStats(
+                np.empty(n_mine, dtype=np.float32),
+                np.empty(n_mine, dtype=np.uint64),
+                np.empty(n_mine, dtype=np.uint64),
+            )
         self._running[(step, bucket)] = c
         if world == 1:
             self._finish(c, now)
@@ -290,6 +299,8 @@ class TransposeAllReduce:
             received,
             now,
             ep.session,
+            stats=c.stats,
+            final=world,
         )
         for j in range(world):
             if j == me:
@@ -416,17 +427,22 @@ class TransposeAllReduce:
         counts = chunk_counts(hi - lo, chunk_elems)
         # Unbiased fill: every chunk is the mean of the contributions that arrived × world
         # (nothing to do when every rank contributed to every chunk, the reliable case).
+        stats = c.stats
         if not np.all(c.contrib == world):
             scale = np.repeat(world / np.maximum(c.contrib, 1).astype(np.float32), counts)
             np.multiply(c.accum, scale, out=c.accum)
+            stats = None  # some sums changed after the kernel took their statistics
         if c.dtype != DType.F32:
             from_f32(c.accum, c.dtype, c.result[lo:hi])
         # The gather phase starts now (the peers' reduce phases end about when this one does).
         for j in c.gather_received:
             self.endpoint.receiver.restart_clock(InKey(c.step, c.bucket, j, Phase.GATHER), now)
-        # One shard to every peer: read it once for its norms and tag sums, for all of them.
+        # One shard to every peer: its norms and tag sums serve them all. Every chunk got its
+        # world-th contribution, so the reduce kernel took them from the finished sums (float32);
+        # otherwise the shard is read once for them here.
         mine = c.result[lo:hi]
-        stats = kernels.chunk_stats(mine, dtype=DType(c.dtype), chunk_elems=chunk_elems)
+        if stats is None:
+            stats = kernels.chunk_stats(mine, dtype=DType(c.dtype), chunk_elems=chunk_elems)
         for j in range(world):
             if j != me:
                 self.endpoint.sender.start(

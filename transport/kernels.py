@@ -167,6 +167,21 @@ def _identity_rows(n: int) -> np.ndarray:
     return table[:n]
 
 
+class ChunkStats(NamedTuple):
+    """Per-chunk statistics of a shard, computed once for every destination it is sent to:
+    L2 norms (float32; what :func:`pack` writes) and the payload's fast-tag sums (uint64)."""
+
+    norms: np.ndarray
+    sum_a: np.ndarray
+    sum_b: np.ndarray
+
+
+_NO_STATS = ChunkStats(
+    np.empty(0, dtype=np.float32), np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.uint64)
+)
+_NO_U32 = np.empty(0, dtype=np.uint32)
+
+
 class ReceivePlan(NamedTuple):
     """A receiving transfer's checked kernel arguments, everything but the batch
     (:func:`prepare_receive`); :func:`receive_rows` runs a batch with it."""
@@ -181,6 +196,9 @@ class ReceivePlan(NamedTuple):
     contrib: np.ndarray
     received: np.ndarray
     counters: np.ndarray
+    stats: ChunkStats  # per-chunk statistics of completed sums (F32 reduce; empty: off)
+    final: int  # the contributor count that completes a chunk
+    target_bits: np.ndarray  # the accumulator's u32 view (F32 reduce with stats)
 
 
 def prepare_receive(
@@ -192,12 +210,19 @@ def prepare_receive(
     counters: np.ndarray,
     *,
     place: bool,
+    stats: ChunkStats | None = None,
+    final: int = 0,
 ) -> ReceivePlan:
     """Check once what :func:`reduce_into` (``place=False``: ``target`` is ``accum``) or
     :func:`place_into` (``target`` is ``out``) would check on every call, except the batch.
 
     A receiver makes one per transfer (again when its session's step window moves): a batch
     then costs a few attribute checks instead of some twenty NumPy operations.
+
+    ``stats`` (F32 reduce only: arrays of one entry per chunk) asks the kernel for the
+    :func:`chunk_stats` of every chunk whose ``contrib`` reaches ``final`` (>= 1), computed from
+    the finished sum as the last contribution lands: a sender of the reduced shard then needs
+    no pass over it. Entries of chunks that never reach ``final`` are left as they were.
     """
     spec, k0, k1 = _spec(session, transfer)
     recv = _array("received", received, 2, writeable=True)
@@ -211,11 +236,27 @@ def prepare_receive(
         )
     _typed("counters", counters, np.int64, (N_REASONS,))
     wire = DType(transfer.dtype)
+    if stats is not None and (place or wire != DType.F32):
+        raise ValueError("stats are computed by the F32 reduce only")
     if not place:
         tgt = _typed("accum", target, np.float32, (transfer.n_elems,))
         assert contrib is not None
         con = _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
-        return ReceivePlan(session, transfer, spec, k0, k1, False, tgt, con, recv, counters)
+        if stats is None:
+            return ReceivePlan(session, transfer, spec, k0, k1, False, tgt, con, recv, counters,
+                               _NO_STATS, 0, _NO_U32)  # fmt: skip
+        shape = (transfer.n_chunks,)
+        if not 1 <= final <= _U16_MAX:
+            raise ValueError(f"final must be a contributor count in [1, {_U16_MAX}], got {final}")
+        if not tgt.flags.c_contiguous:
+            raise ValueError("accum must be C-contiguous to compute chunk statistics")
+        st = ChunkStats(
+            _typed("stats.norms", stats.norms, np.float32, shape, writeable=True),
+            _typed("stats.sum_a", stats.sum_a, np.uint64, shape, writeable=True),
+            _typed("stats.sum_b", stats.sum_b, np.uint64, shape, writeable=True),
+        )
+        return ReceivePlan(session, transfer, spec, k0, k1, False, tgt, con, recv, counters,
+                           st, final, tgt.view(np.uint32))  # fmt: skip
     out_a = _array("out", target, 1, writeable=True)
     if out_a.dtype not in _OUT_DTYPES[wire] or out_a.shape != (transfer.n_elems,):
         names = ", ".join(d.name for d in _OUT_DTYPES[wire])
@@ -227,7 +268,8 @@ def prepare_receive(
         _NO_U16 if contrib is None else _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
     )
     bits = out_a.view(np.uint32 if wire == DType.F32 else np.uint16)
-    return ReceivePlan(session, transfer, spec, k0, k1, True, bits, con, recv, counters)
+    return ReceivePlan(session, transfer, spec, k0, k1, True, bits, con, recv, counters,
+                       _NO_STATS, 0, _NO_U32)  # fmt: skip
 
 
 def receive_rows(
@@ -264,7 +306,7 @@ def receive_rows(
                                   p.received, p.counters, verd))  # fmt: skip
     if p.transfer.dtype == DType.F32:
         return int(_rx.reduce_f32(rows_a, lens, idx, *args, p.target, p.contrib, p.received,
-                                  p.counters, verd))  # fmt: skip
+                                  p.counters, verd, p.target_bits, *p.stats, p.final))  # fmt: skip
     return int(_rx.reduce_u16(rows_a, lens, idx, *args, p.target, p.contrib, p.received,
                               p.counters, verd, p.transfer.dtype == DType.BF16))  # fmt: skip
 
@@ -398,15 +440,6 @@ def place_into(
     """
     plan = prepare_receive(session, transfer, out, contrib, received, counters, place=True)
     return receive_rows(plan, arena, lengths, rows, verdicts)
-
-
-class ChunkStats(NamedTuple):
-    """Per-chunk statistics of a shard, computed once for every destination it is sent to:
-    L2 norms (float32; what :func:`pack` writes) and the payload's fast-tag sums (uint64)."""
-
-    norms: np.ndarray
-    sum_a: np.ndarray
-    sum_b: np.ndarray
 
 
 def chunk_stats(src: np.ndarray, *, dtype: DType, chunk_elems: int) -> ChunkStats:

@@ -80,7 +80,8 @@ class _Held:
 
 
 class InTransfer:
-    """State of one incoming shard. ``target`` is the accumulator (reduce) or output (gather)."""
+    """State of one incoming shard. ``target`` is the accumulator (reduce) or output (gather);
+    ``stats``/``final`` as in :meth:`ReceiverCore.expect`."""
 
     def __init__(
         self,
@@ -91,8 +92,12 @@ class InTransfer:
         contrib: np.ndarray,
         received: np.ndarray,
         started: float,
+        stats: kernels.ChunkStats | None = None,
+        final: int = 0,
     ) -> None:
         self.key = key
+        self.stats = stats  # filled by the reduce kernel as chunks complete (see expect)
+        self.final = final
         self.spec = spec
         self.senders = senders
         self.target = target
@@ -191,9 +196,17 @@ class ReceiverCore:
         received: np.ndarray,
         now: float,
         session: SessionSpec,
+        *,
+        stats: kernels.ChunkStats | None = None,
+        final: int = 0,
     ) -> InTransfer:
-        """Start receiving ``key`` into ``target``; replays any packets that came early."""
-        t = InTransfer(key, spec, senders, target, contrib, received, now)
+        """Start receiving ``key`` into ``target``; replays any packets that came early.
+
+        ``stats`` (an F32 reduce): the reduce kernel writes there the statistics of every chunk
+        whose ``contrib`` reaches ``final``, from the finished sum (see
+        :func:`kernels.prepare_receive`).
+        """
+        t = InTransfer(key, spec, senders, target, contrib, received, now, stats, final)
         self.transfers[key] = t
         self._refresh_check(t)
         self._early_at.pop(key, None)
@@ -226,8 +239,9 @@ class ReceiverCore:
         plan = t.plan
         if plan is None or plan.session is not session:  # checked once per transfer and session
             plan = t.plan = kernels.prepare_receive(
-                session, t.spec, t.target, t.contrib, t.received, self.counters, place=t.gather
-            )
+                session, t.spec, t.target, t.contrib, t.received, self.counters,
+                place=t.gather, stats=t.stats, final=t.final,
+            )  # fmt: skip
         kernels.receive_rows(plan, arena, lengths, rows, verdicts)
         # The ACK state follows the judged rows (see transport._kernels_batch.note_arrivals).
         n_ok, n_dup, nbytes = note_arrivals(

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from scheduling.loss import LossConfig
 from scheduling.priority import PriorityConfig
 from tests.unit.wire import Wire
+from transport import kernels
 from transport.allreduce import TransposeAllReduce, from_f32, to_f32
 from transport.config import TransportConfig
 from transport.errors import PeerTimeout
 from transport.events import AllReduceComplete, AllReduceFailed, Datagram, flat
 from transport.outgoing import ABANDONED, ACKED, INFLIGHT, LOST
-from transport.packet import HEADER_DTYPE, DType, Header, Kind, Reason, encode
+from transport.packet import HEADER_DTYPE, DType, Flags, Header, Kind, Phase, Reason, encode
 
 
 def make(world: int, **cfg) -> list[TransposeAllReduce]:
@@ -761,3 +762,52 @@ def test_path_accounting_drains_when_transfers_end(loss_bound):
     for s in senders:
         for peer, ps in s.paths.items():
             np.testing.assert_array_equal(ps.outstanding, 0.0, err_msg=f"peer {peer}")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bound", "gather_reads"),
+    [(np.float32, 0.0, 0), (np.float16, 0.0, 1), (np.float32, 0.3, 1)],
+    ids=["f32-reliable", "f16", "f32-filled"],
+)
+def test_gather_reads_the_shard_for_its_statistics_only_when_the_reduce_could_not(
+    monkeypatch, dtype, bound, gather_reads
+):
+    """A float32 shard whose every chunk got all contributions is sent with the statistics the
+    reduce kernel took from the finished sums: the gather does not read it again. A 16-bit
+    shard, or one whose chunks the fill rescaled, is read once. Either way every gather
+    datagram passes its receivers' tag check (the collective completes, exact when lossless)."""
+    world, n = 3, 6000
+    calls: list[int] = []
+    real = kernels.chunk_stats
+
+    def spy(src, **kw):
+        calls.append(int(src.shape[0]))
+        return real(src, **kw)
+
+    monkeypatch.setattr(kernels, "chunk_stats", spy)
+    eps = make(
+        world,
+        loss=LossConfig(loss_bound=bound, soft_deadline_max_s=1.0, hard_deadline_s=5.0),
+        priority=PriorityConfig(protected_fraction=0.1, droppable_fraction=0.25),
+    )
+    rng = np.random.default_rng(11)
+    datas = [rng.standard_normal(n).astype(dtype) for _ in range(world)]
+
+    def drop(src, dg, q):  # bounded: every droppable chunk of the reduce phase is lost
+        if not bound or kind_of(dg) != Kind.DATA:
+            return False
+        h = header_of(dg)
+        return h["phase"] == Phase.REDUCE and bool(h["flags"] & Flags.DROPPABLE)
+
+    out = run_allreduce(eps, datas, Wire(eps, drop=drop))
+    expect = np.sum([d.astype(np.float64) for d in datas], axis=0)
+    tol = 1e-5 if dtype == np.float32 else 5e-3 * world
+    for r in range(world):
+        assert isinstance(out[r], AllReduceComplete)
+        assert not out[r].report.degraded
+        if not bound:
+            np.testing.assert_allclose(out[r].result.astype(np.float64), expect, rtol=tol, atol=tol)
+        else:
+            assert out[r].report.reduce.missing_elems > 0  # the fill did rescale chunks
+    scatter = world * (world - 1)  # every rank reads each peer's shard of its input once
+    assert len(calls) == scatter + world * gather_reads
