@@ -109,6 +109,69 @@ def frame_rows(
     return nd, nc, mixed
 
 
+@njit(**EXACT)
+def group_rows(
+    arena: np.ndarray, rows: np.ndarray, out_rows: np.ndarray, keys: np.ndarray, starts: np.ndarray
+) -> int:
+    """Group the DATA ``rows`` of a mixed batch by transfer key (step, bucket, shard, phase).
+
+    Writes the distinct keys in ascending order to ``keys`` (int64, ``(len(rows), 4)``), each
+    group's rows, in batch order, to ``out_rows[starts[g]:starts[g + 1]]`` (``starts``: int64,
+    ``len(rows) + 1``), and returns the number of groups. A batch mixes a handful of transfers,
+    so the keys are found by a scan over those seen so far and sorted by insertion.
+    """
+    n = rows.shape[0]
+    if out_rows.shape[0] < n or keys.shape[0] < n or keys.shape[1] < 4 or starts.shape[0] <= n:
+        raise ValueError("group_rows: out_rows, keys and starts must hold every row")
+    group = np.empty(n, dtype=np.int64)
+    n_groups = 0
+    for i in range(n):
+        row = arena[rows[i]]
+        step, bucket, shard, phase = _u32(row, 12), _u16(row, 16), _u16(row, 18), _I64(row[7])
+        g = 0
+        while g < n_groups and not (
+            keys[g, 0] == step and keys[g, 1] == bucket and keys[g, 2] == shard
+            and keys[g, 3] == phase
+        ):  # fmt: skip
+            g += 1
+        if g == n_groups:
+            keys[g, 0], keys[g, 1], keys[g, 2], keys[g, 3] = step, bucket, shard, phase
+            n_groups += 1
+        group[i] = g
+    # Ascending key order: rank each group by insertion into the sorted order.
+    rank = np.arange(n_groups)
+    for a in range(1, n_groups):
+        b = a
+        while b > 0 and _key_less(keys, rank[b], rank[b - 1]):
+            rank[b], rank[b - 1] = rank[b - 1], rank[b]
+            b -= 1
+    pos = np.empty(n_groups, dtype=np.int64)  # group -> its place in the sorted order
+    for k in range(n_groups):
+        pos[rank[k]] = k
+    count = np.zeros(n_groups + 1, dtype=np.int64)
+    for i in range(n):
+        count[pos[group[i]] + 1] += 1
+    for k in range(n_groups):
+        count[k + 1] += count[k]
+    for k in range(n_groups + 1):
+        starts[k] = count[k]
+    for i in range(n):  # a stable counting sort: each group's rows stay in batch order
+        k = pos[group[i]]
+        out_rows[count[k]] = rows[i]
+        count[k] += 1
+    sorted_keys = keys[rank].copy()
+    keys[:n_groups] = sorted_keys
+    return n_groups
+
+
+@njit(inline="always", **EXACT)
+def _key_less(keys: np.ndarray, a: int, b: int) -> bool:
+    for f in range(4):
+        if keys[a, f] != keys[b, f]:
+            return keys[a, f] < keys[b, f]
+    return False
+
+
 _OK = int(Reason.OK)
 _DUPLICATE = int(Reason.DUPLICATE)
 

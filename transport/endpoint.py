@@ -20,7 +20,7 @@ import numpy as np
 from scheduling.loss import LossPolicy
 from scheduling.pacing import Pacer
 from scheduling.priority import make_priority_policy
-from transport._kernels_batch import frame_rows
+from transport._kernels_batch import frame_rows, group_rows
 from transport.config import TransportConfig
 from transport.events import Datagram, DatagramRun, Event
 from transport.packet import (
@@ -332,14 +332,13 @@ class Endpoint:
         nd, nc, mixed = frame_rows(
             arena, lengths, n, self.config.job, self.counters, data_rows, ctrl_rows, key
         )
-        # The header records, made only when something reads them (a one-transfer DATA batch
-        # does not): mixed keys, control packets, or data of a transfer not running here.
-        hv = header_view(arena) if mixed or nc else None
+        # The header records, made only when something reads them (DATA batches do not):
+        # control packets, or data of a transfer not running here.
+        hv = header_view(arena) if nc else None
         if nd:
             rows = data_rows[:nd]
             if mixed:
-                assert hv is not None
-                groups = self._groups(hv, rows)
+                groups = self._groups(arena, rows)
             else:
                 groups = [(InKey(int(key[0]), int(key[1]), int(key[2]), int(key[3])), rows)]
             pinned = self._flush_data(arena, lengths, paths, hv, groups, now, pin)
@@ -365,29 +364,20 @@ class Endpoint:
         return pinned
 
     @staticmethod
-    def _groups(hv: np.ndarray, rows: np.ndarray) -> list[tuple[InKey, np.ndarray]]:
-        """DATA ``rows`` grouped by transfer key (a batch that mixes transfers), each group in
-        batch order. Step, bucket and shard pack exactly into one u64 and the phase sorts
-        second: a stable two-key sort of plain integers, not ``np.unique`` of records (which
-        measured several times slower on a batch)."""
-        rec = hv[rows]
-        packed = (
-            (rec["step"].astype(np.uint64) << np.uint64(32))
-            | (rec["bucket"].astype(np.uint64) << np.uint64(16))
-            | rec["shard"].astype(np.uint64)
-        )
-        phase = rec["phase"]
-        order = np.lexsort((phase, packed))
-        packed, phase = packed[order], phase[order]
-        cut = np.flatnonzero((packed[1:] != packed[:-1]) | (phase[1:] != phase[:-1])) + 1
-        starts = [0, *cut.tolist()]
-        ends = [*cut.tolist(), int(rows.size)]
-        out = []
-        for a, b in zip(starts, ends, strict=True):
-            r = rec[order[a]]
-            key = InKey(int(r["step"]), int(r["bucket"]), int(r["shard"]), int(r["phase"]))
-            out.append((key, rows[order[a:b]]))
-        return out
+    def _groups(arena: np.ndarray, rows: np.ndarray) -> list[tuple[InKey, np.ndarray]]:
+        """DATA ``rows`` of ``arena`` grouped by transfer key (a batch that mixes transfers),
+        in key order, each group in batch order: one compiled pass (the NumPy version, a sort
+        of structured-record fields, cost ~40 µs a batch)."""
+        n = int(rows.shape[0])
+        out = np.empty(n, dtype=np.int64)  # fresh: held early data may keep a group's rows
+        keys = np.empty((n, 4), dtype=np.int64)
+        starts = np.empty(n + 1, dtype=np.int64)
+        g = group_rows(arena, rows, out, keys, starts)
+        bounds = starts[: g + 1].tolist()
+        return [
+            (InKey(*k), out[a:b])
+            for k, a, b in zip(keys[:g].tolist(), bounds[:-1], bounds[1:], strict=True)
+        ]
 
     def _flush_data(
         self,

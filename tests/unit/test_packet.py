@@ -509,7 +509,7 @@ def test_mixed_batch_groups_by_transfer_in_batch_order(keys: list, rnd) -> None:
     want: dict[tuple, list[int]] = {}
     for r, k in zip(rows.tolist(), keys, strict=True):
         want.setdefault(k, []).append(r)
-    got = Endpoint._groups(hv, rows)
+    got = Endpoint._groups(arena, rows)
     assert [(tuple(k), g.tolist()) for k, g in got] == sorted(want.items())
 
 
