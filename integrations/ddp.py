@@ -11,9 +11,10 @@ Theory of operation
 -------------------
 DDP calls the hook on its autograd thread, once per gradient bucket, in ``bucket.index()``
 order, and waits on every returned Future at the end of ``backward()`` — forever: it has no
-timeout. So the hook only *enqueues*: it divides the bucket by the world size (before the sum,
-as DDP's own hook does, so float16 does not overflow), hands a zero-copy NumPy view of it to the
-data plane (the UDP :class:`~transport.engine.Engine` or the ZeroMQ plane) and returns a
+timeout. So the hook only *enqueues*: it hands a zero-copy NumPy view of the bucket to the
+data plane (the UDP :class:`~transport.engine.Engine` or the ZeroMQ plane) with
+``scale=1/world`` — the plane scales only its own shard as the sum completes, so the mean
+costs no pass over the bucket (DDP's own hook divides it first) — and returns a
 ``torch.futures.Future``. The plane's thread completes it: it checks the result's dtype and size
 (DDP would silently accept a wrong one), copies it into ``bucket.buffer()`` and sets the Future.
 Nothing in the hook blocks and nothing raises: any error — a late peer (``PeerTimeout``), a
@@ -240,8 +241,10 @@ class Plane(Protocol):
         dtype: int | None = None,
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
+        *,
+        scale: float = 1.0,
     ) -> concurrent.futures.Future[tuple[np.ndarray, CollectiveReport]]:
-        """All-reduce ``data`` (sum over ranks), into ``out`` when given."""
+        """All-reduce ``data`` (sum over ranks, times ``scale``), into ``out`` when given."""
 
     def stats(self) -> dict[str, Any]:
         """The plane's counters."""
@@ -292,6 +295,7 @@ class GradlaneState:
             hook = dataclasses.replace(hook, mode=mode)
         self.config = hook
         self.rank, self.world = _rank_and_world(rank, world)
+        self._scale = 1.0 / self.world  # DDP wants the mean; the plane scales as it reduces
         self._local = (local_rank, local_world)
         if transport is None:
             transport = _default_transport(hook, os.environ.get("MASTER_ADDR"))
@@ -446,7 +450,8 @@ class GradlaneState:
                         "is closed (GradlaneState.close() was called): create a new "
                         "GradlaneState and register it to keep training"
                     )
-                buf.div_(self.world)
+                # The mean, not the sum: the plane scales its own shard by 1 / world as it
+                # completes, and the gather brings the scaled values (no pass over the bucket).
                 if buf.is_cuda:
                     self._submit_cuda(key, layout, buf, fut)
                 else:
@@ -478,7 +483,9 @@ class GradlaneState:
     ) -> None:
         data = numpy_view(buf)  # the plane reads it on its thread; DDP waits before touching it
         # In place (out=data), as dist.all_reduce works: no result array, no copy back.
-        cf = self.plane.submit(key.step, key.bucket, data, layout.position, layout.wire, out=data)
+        cf = self.plane.submit(
+            key.step, key.bucket, data, layout.position, layout.wire, out=data, scale=self._scale
+        )
         cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, None))
 
     def _submit_cuda(
@@ -504,8 +511,9 @@ class GradlaneState:
             try:
                 copied.synchronize()
                 cf = self.plane.submit(
-                    key.step, key.bucket, data, layout.position, layout.wire, out=data
-                )
+                    key.step, key.bucket, data, layout.position, layout.wire, out=data,
+                    scale=self._scale,
+                )  # fmt: skip
                 cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, host))
             except Exception as e:
                 self._complete(key, fut, error=e)

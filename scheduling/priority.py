@@ -192,13 +192,29 @@ class PriorityPolicy(ABC):
         descending norm order (0 = largest), ties broken by the lower chunk index first.
         """
         n = norms.shape[0]
-        rank = _descending_rank(norms)
+        order = _descending_order(norms)
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n)
         cfg = self.config
         n_prot = _count(cfg.protected_fraction, n, at_least_one=True)
         n_drop = min(_count(cfg.droppable_fraction, n, at_least_one=False), n - n_prot)
         protected = rank < n_prot
         droppable = rank >= n - n_drop
         return rank, protected, droppable
+
+    def _extreme_masks(self, norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_extreme_sets` without the ranks: the protected and droppable masks,
+        marked through the descending order directly (for policies that need no rank)."""
+        n = norms.shape[0]
+        order = _descending_order(norms)
+        cfg = self.config
+        n_prot = _count(cfg.protected_fraction, n, at_least_one=True)
+        n_drop = min(_count(cfg.droppable_fraction, n, at_least_one=False), n - n_prot)
+        protected = np.zeros(n, dtype=bool)
+        protected[order[:n_prot]] = True
+        droppable = np.zeros(n, dtype=bool)
+        droppable[order[n - n_drop :]] = True
+        return protected, droppable
 
     def _middle_band(self) -> tuple[int, int]:
         """Classes left for chunks that are neither protected nor droppable: 1..n_classes-2.
@@ -260,7 +276,7 @@ class LayerMagnitudePolicy(PriorityPolicy):
         n = norms.shape[0]
         if pinned:
             return self._pinned(n)
-        _, protected, droppable = self._extreme_sets(norms)
+        protected, droppable = self._extreme_masks(norms)
         lo, hi = self._middle_band()
         middle = _position_class(pos, lo, hi)
         prio = np.full(n, middle, dtype=np.uint8)
@@ -379,9 +395,11 @@ def _as_norms(norms: np.ndarray) -> np.ndarray:
     arr = np.asarray(norms)
     if arr.ndim != 1:
         raise ValueError(f"norms must be 1-D (one per chunk), got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.floating):
+    if arr.dtype.kind != "f":
         arr = arr.astype(np.float32)
-    if not np.all(np.isfinite(arr)):
+    # One reduction decides the common case: a sum is finite only if every norm is (an
+    # overflowing sum of finite norms just takes the exact path below, which changes nothing).
+    if not np.isfinite(arr.sum()):
         arr = np.where(np.isnan(arr), np.inf, arr)
     return arr
 
@@ -405,11 +423,8 @@ def _count(fraction: float, n: int, *, at_least_one: bool) -> int:
     return min(n, max(1, k) if at_least_one else k)
 
 
-def _descending_rank(norms: np.ndarray) -> np.ndarray:
-    """Rank of each chunk in descending norm order, ties → lower chunk index first."""
-    n = norms.shape[0]
+def _descending_order(norms: np.ndarray) -> np.ndarray:
+    """Chunks in descending norm order, ties → lower chunk index first."""
     # A stable sort keeps equal norms in chunk order: the order is total and deterministic.
-    order = np.argsort(-norms.astype(np.float64), kind="stable")
-    rank = np.empty(n, dtype=np.int64)
-    rank[order] = np.arange(n)
-    return rank
+    # Negation is exact in the norms' own float type (inf → -inf), so no widening copy.
+    return np.argsort(-norms, kind="stable")

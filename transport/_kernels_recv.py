@@ -347,13 +347,15 @@ def reduce_f32(
     sum_a: np.ndarray,
     sum_b: np.ndarray,
     final: int,
+    scale: np.float32,
 ) -> int:
     """Validate each batch row and add the valid F32 payloads into ``accum``.
 
     With ``norms`` (one per chunk; empty: off), a chunk whose contributor count reaches
-    ``final`` gets its statistics (:func:`stats_chunk_f32` of the sum, ``acc_bits`` being
-    ``accum``'s u32 view) into ``norms``/``sum_a``/``sum_b`` right after that last add, while it
-    is still in cache: the gather phase then sends it without reading the shard again.
+    ``final`` is finished right after that last add, while it is still in cache: multiplied by
+    ``scale`` (unless 1), then its statistics (:func:`stats_chunk_f32` of the result,
+    ``acc_bits`` being ``accum``'s u32 view) go to ``norms``/``sum_a``/``sum_b``. The gather
+    phase then sends it without reading the shard again.
     """
     sp = load_spec(spec)
     ex = expected_words(sp, arena.shape[1])
@@ -365,6 +367,7 @@ def reduce_f32(
     af = arena.view(np.float32)
     want_verdicts = verdicts.shape[0] > 0
     want_stats = norms.shape[0] > 0
+    one = np.float32(1.0)
     _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
@@ -389,6 +392,9 @@ def reduce_f32(
                 acc[j] += pay[j]
             contrib[chunk] += np.uint16(1)
             if want_stats and contrib[chunk] == final:
+                if scale != one:
+                    for j in range(count):
+                        acc[j] *= scale
                 norms[chunk], sum_a[chunk], sum_b[chunk] = stats_chunk_f32(
                     acc_bits[off : off + count], acc
                 )

@@ -19,6 +19,7 @@ sum, and a lost chunk becomes small noise spread over its block.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -158,6 +159,7 @@ class _Collective:
     # Per-chunk statistics of this rank's finished sums, written by the reduce kernel as each
     # chunk's last contribution lands (float32 only; None otherwise): what the gather sends.
     stats: kernels.ChunkStats | None = None
+    scale: float = 1.0  # the result's multiplier (applied to this rank's shard only)
     reduce_report: LossReport | None = None
     gather_reports: dict[int, LossReport] = field(default_factory=dict)
     gather_received: dict[int, np.ndarray] = field(default_factory=dict)
@@ -201,8 +203,14 @@ class TransposeAllReduce:
         pinned: bool = False,
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
+        scale: float = 1.0,
     ) -> None:
         """Begin all-reducing ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
+
+        ``scale`` multiplies the result (``1 / world``: the mean, as DDP wants it). Only this
+        rank's shard is scaled — as its sum completes, chunk by chunk in the reduce kernel for
+        float32 — and the gather brings everyone the scaled values: no pass over the whole
+        buffer, where dividing the input first costs one.
 
         ``servers`` makes it a parameter-server exchange: every rank *pushes* its bucket to the
         server ranks (each server owns an equal slice), the servers sum, and every rank *pulls*
@@ -224,6 +232,9 @@ class TransposeAllReduce:
         """
         wire_in, wdt = wire_view(data, dtype)
         servers = check_servers(servers, self.world)
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite number, got {scale}")
         if (step, bucket) in self._running:
             raise ValueError(f"step {step} bucket {bucket} is already being all-reduced")
         ep = self.endpoint
@@ -271,6 +282,7 @@ class TransposeAllReduce:
             accum,
             contrib,
             rotated,
+            scale=scale,
         )
         if wdt == DType.F32:
             c.stats = kernels.ChunkStats(
@@ -280,6 +292,9 @@ class TransposeAllReduce:
             )
         self._running[(step, bucket)] = c
         if world == 1:
+            if scale != 1.0:
+                mine = result[lo:hi]
+                from_f32(to_f32(mine, wdt) * np.float32(scale), wdt, mine)
             self._finish(c, now)
             return
         received = np.zeros((world, n_mine), dtype=np.uint8)
@@ -301,6 +316,7 @@ class TransposeAllReduce:
             ep.session,
             stats=c.stats,
             final=world,
+            scale=scale if c.stats is not None else 1.0,  # 16-bit: scaled at the gather's start
         )
         for j in range(world):
             if j == me:
@@ -427,10 +443,15 @@ class TransposeAllReduce:
         counts = chunk_counts(hi - lo, chunk_elems)
         # Unbiased fill: every chunk is the mean of the contributions that arrived × world
         # (nothing to do when every rank contributed to every chunk, the reliable case).
+        # The result's scale too: the float32 reduce kernel applied it to every chunk that got
+        # all contributions (with their statistics); the rest are scaled here.
         stats = c.stats
-        if not np.all(c.contrib == world):
-            scale = np.repeat(world / np.maximum(c.contrib, 1).astype(np.float32), counts)
-            np.multiply(c.accum, scale, out=c.accum)
+        complete = c.contrib == world
+        if not complete.all() or (stats is None and c.scale != 1.0):
+            factor = world / np.maximum(c.contrib, 1).astype(np.float32) * np.float32(c.scale)
+            if stats is not None:
+                factor[complete] = 1.0  # finished in the kernel already
+            np.multiply(c.accum, np.repeat(factor, counts), out=c.accum)
             stats = None  # some sums changed after the kernel took their statistics
         if c.dtype != DType.F32:
             from_f32(c.accum, c.dtype, c.result[lo:hi])
@@ -458,12 +479,13 @@ class TransposeAllReduce:
     def _finish(self, c: _Collective, now: float) -> None:
         world, chunk_elems = self.world, self.config.chunk_elems(c.dtype)
         for j, grecv in c.gather_received.items():
-            missing = np.flatnonzero(grecv[0] == 0)
+            missing = (grecv[0] == 0).nonzero()[0]
             jl = int(c.bounds[j])
             for ch in missing.tolist():  # rare: only chunks lost for good
                 a = jl + ch * chunk_elems
                 b = min(a + chunk_elems, int(c.bounds[j + 1]))
-                from_f32(to_f32(c.src[a:b], c.dtype) * world, c.dtype, c.result[a:b])
+                fill = to_f32(c.src[a:b], c.dtype) * np.float32(world * c.scale)
+                from_f32(fill, c.dtype, c.result[a:b])
         # The result goes back to the caller (and is un-rotated in place below), and so does the
         # input: outgoing transfers still sending must stop reading them.
         self.endpoint.sender.detach(c.step, c.bucket)

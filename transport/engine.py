@@ -213,6 +213,7 @@ class Engine:
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
         pinned: bool = False,
+        scale: float = 1.0,
     ) -> concurrent.futures.Future[Result]:
         """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
 
@@ -223,7 +224,8 @@ class Engine:
         all-reduce (see :meth:`TransposeAllReduce.start`); every rank passes the same list.
         ``out`` receives the result (it may be ``data``: in place, like ``dist.all_reduce``).
         ``pinned``: every chunk of this bucket is protected and in class 0 (a pinned layer, see
-        ``PriorityConfig.pins``).
+        ``PriorityConfig.pins``). ``scale`` multiplies the result (``1 / world`` for the mean),
+        at no extra pass over the buffer (see :meth:`TransposeAllReduce.start`).
         """
         fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
         with self._lock:
@@ -235,8 +237,9 @@ class Engine:
                 )
                 return fut
             loop.call_soon_threadsafe(
-                self._start, fut, step, bucket, data, layer_position, dtype, servers, out, pinned
-            )
+                self._start, fut, step, bucket, data, layer_position, dtype, servers, out, pinned,
+                scale,
+            )  # fmt: skip
         return fut
 
     def stats(self) -> dict[str, Any]:
@@ -314,6 +317,7 @@ class Engine:
         servers: Sequence[int] | None,
         out: np.ndarray | None,
         pinned: bool = False,
+        scale: float = 1.0,
     ) -> None:
         if self._closed:
             fut.set_exception(TransferFailed(f"engine closed: step {step} bucket {bucket}"))
@@ -321,8 +325,9 @@ class Engine:
         now = time.monotonic()
         pending = self._pending
         if pending.start(
-            self._core, fut, step, bucket, data, layer_position, dtype, now, servers, out, pinned
-        ):
+            self._core, fut, step, bucket, data, layer_position, dtype, now, servers, out, pinned,
+            scale,
+        ):  # fmt: skip
             self._service(send_first=True)
 
     def _on_datagram(self, nbytes: int, path: int, now: float) -> None:

@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -43,10 +44,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from transport import ipc
-from transport.allreduce import wire_view
+from transport.allreduce import from_f32, to_f32, wire_view
 from transport.errors import ConfigError, GradlaneError, TransferFailed
 from transport.events import CollectiveReport
-from transport.packet import ITEMSIZE
+from transport.packet import ITEMSIZE, DType
 from transport.shm import Segment
 from transport.waker import Waker
 
@@ -75,6 +76,7 @@ class _Request:
     out_wire: np.ndarray
     deadline: float
     seg: list[Any] | None = None  # [Segment, busy]
+    scale: float = 1.0
 
 
 class DaemonClient:
@@ -176,11 +178,14 @@ class DaemonClient:
         dtype: int | None = None,
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
+        scale: float = 1.0,
     ) -> concurrent.futures.Future[Result]:
         """All-reduce ``data`` through the daemon (sum over every rank of every host).
 
         Same contract as :meth:`transport.engine.Engine.submit`; ``servers`` is not offered in
-        daemon mode (the daemons run the transpose all-reduce among themselves).
+        daemon mode (the daemons run the transpose all-reduce among themselves). ``scale`` is
+        applied here as the bucket is copied into the shared segment (the same pass), before
+        the sum: a float16 sum of scaled buckets does not overflow where the raw one could.
         """
         fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
         try:
@@ -188,6 +193,9 @@ class DaemonClient:
                 raise ConfigError(
                     "daemon mode runs the transpose all-reduce; servers= is not offered"
                 )
+            scale = float(scale)
+            if not math.isfinite(scale):
+                raise ValueError(f"scale must be a finite number, got {scale}")
             wire, wdtype = wire_view(data, dtype)
             if out is None:
                 out = np.empty_like(data)
@@ -209,6 +217,7 @@ class DaemonClient:
             out,
             out_wire,
             time.monotonic() + self.request_timeout_s,
+            scale=scale,
         )
         with self._lock:
             if self._closed:
@@ -388,7 +397,13 @@ class DaemonClient:
         nbytes = req.data.shape[0] * ITEMSIZE[req.dtype]
         try:
             req.seg = self._segment(req.bucket, max(nbytes, 1))
-            np.copyto(req.seg[0].array(req.data.dtype, req.data.shape[0]), req.data)
+            shared = req.seg[0].array(req.data.dtype, req.data.shape[0])
+            if req.scale == 1.0:
+                np.copyto(shared, req.data)
+            elif req.dtype == DType.F32:  # scaled as it is copied in: the same one pass
+                np.multiply(req.data, np.float32(req.scale), out=shared)
+            else:  # 16-bit words: scaled in float32 and rounded once, so the sum cannot overflow
+                from_f32(to_f32(req.data, req.dtype) * np.float32(req.scale), req.dtype, shared)
             frames = ipc.encode(
                 "SUBMIT",
                 generation=self.generation,

@@ -27,6 +27,7 @@ Each kernel has a plain-NumPy reference in ``tests/unit/naive.py`` that the test
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -180,6 +181,7 @@ _NO_STATS = ChunkStats(
     np.empty(0, dtype=np.float32), np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.uint64)
 )
 _NO_U32 = np.empty(0, dtype=np.uint32)
+_ONE = np.float32(1.0)
 
 
 class ReceivePlan(NamedTuple):
@@ -199,6 +201,7 @@ class ReceivePlan(NamedTuple):
     stats: ChunkStats  # per-chunk statistics of completed sums (F32 reduce; empty: off)
     final: int  # the contributor count that completes a chunk
     target_bits: np.ndarray  # the accumulator's u32 view (F32 reduce with stats)
+    scale: np.float32  # what a completed sum is multiplied by (F32 reduce with stats)
 
 
 def prepare_receive(
@@ -212,6 +215,7 @@ def prepare_receive(
     place: bool,
     stats: ChunkStats | None = None,
     final: int = 0,
+    scale: float = 1.0,
 ) -> ReceivePlan:
     """Check once what :func:`reduce_into` (``place=False``: ``target`` is ``accum``) or
     :func:`place_into` (``target`` is ``out``) would check on every call, except the batch.
@@ -222,7 +226,9 @@ def prepare_receive(
     ``stats`` (F32 reduce only: arrays of one entry per chunk) asks the kernel for the
     :func:`chunk_stats` of every chunk whose ``contrib`` reaches ``final`` (>= 1), computed from
     the finished sum as the last contribution lands: a sender of the reduced shard then needs
-    no pass over it. Entries of chunks that never reach ``final`` are left as they were.
+    no pass over it. Entries of chunks that never reach ``final`` are left as they were. Such a
+    finished chunk is first multiplied by ``scale`` (float32; e.g. ``1 / world`` for a mean),
+    in the same pass; the other chunks are not.
     """
     spec, k0, k1 = _spec(session, transfer)
     recv = _array("received", received, 2, writeable=True)
@@ -238,13 +244,17 @@ def prepare_receive(
     wire = DType(transfer.dtype)
     if stats is not None and (place or wire != DType.F32):
         raise ValueError("stats are computed by the F32 reduce only")
+    if scale != 1.0 and stats is None:
+        raise ValueError("scale applies to finished chunks: it needs stats")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     if not place:
         tgt = _typed("accum", target, np.float32, (transfer.n_elems,))
         assert contrib is not None
         con = _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
         if stats is None:
             return ReceivePlan(session, transfer, spec, k0, k1, False, tgt, con, recv, counters,
-                               _NO_STATS, 0, _NO_U32)  # fmt: skip
+                               _NO_STATS, 0, _NO_U32, _ONE)  # fmt: skip
         shape = (transfer.n_chunks,)
         if not 1 <= final <= _U16_MAX:
             raise ValueError(f"final must be a contributor count in [1, {_U16_MAX}], got {final}")
@@ -256,7 +266,7 @@ def prepare_receive(
             _typed("stats.sum_b", stats.sum_b, np.uint64, shape, writeable=True),
         )
         return ReceivePlan(session, transfer, spec, k0, k1, False, tgt, con, recv, counters,
-                           st, final, tgt.view(np.uint32))  # fmt: skip
+                           st, final, tgt.view(np.uint32), np.float32(scale))  # fmt: skip
     out_a = _array("out", target, 1, writeable=True)
     if out_a.dtype not in _OUT_DTYPES[wire] or out_a.shape != (transfer.n_elems,):
         names = ", ".join(d.name for d in _OUT_DTYPES[wire])
@@ -269,7 +279,7 @@ def prepare_receive(
     )
     bits = out_a.view(np.uint32 if wire == DType.F32 else np.uint16)
     return ReceivePlan(session, transfer, spec, k0, k1, True, bits, con, recv, counters,
-                       _NO_STATS, 0, _NO_U32)  # fmt: skip
+                       _NO_STATS, 0, _NO_U32, _ONE)  # fmt: skip
 
 
 def receive_rows(
@@ -306,7 +316,8 @@ def receive_rows(
                                   p.received, p.counters, verd))  # fmt: skip
     if p.transfer.dtype == DType.F32:
         return int(_rx.reduce_f32(rows_a, lens, idx, *args, p.target, p.contrib, p.received,
-                                  p.counters, verd, p.target_bits, *p.stats, p.final))  # fmt: skip
+                                  p.counters, verd, p.target_bits, *p.stats, p.final,
+                                  p.scale))  # fmt: skip
     return int(_rx.reduce_u16(rows_a, lens, idx, *args, p.target, p.contrib, p.received,
                               p.counters, verd, p.transfer.dtype == DType.BF16))  # fmt: skip
 

@@ -56,6 +56,7 @@ class PendingCollectives:
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
         pinned: bool = False,
+        scale: float = 1.0,
     ) -> bool:
         """Start one collective for ``fut``; a bad request fails its own Future, never the loop.
 
@@ -82,6 +83,7 @@ class PendingCollectives:
                 pinned=pinned,
                 servers=servers,
                 out=out,
+                scale=scale,
             )
         except (ValueError, TypeError, GradlaneError) as exc:
             with self._lock:

@@ -94,10 +94,12 @@ class InTransfer:
         started: float,
         stats: kernels.ChunkStats | None = None,
         final: int = 0,
+        scale: float = 1.0,
     ) -> None:
         self.key = key
         self.stats = stats  # filled by the reduce kernel as chunks complete (see expect)
         self.final = final
+        self.scale = scale
         self.spec = spec
         self.senders = senders
         self.target = target
@@ -199,14 +201,15 @@ class ReceiverCore:
         *,
         stats: kernels.ChunkStats | None = None,
         final: int = 0,
+        scale: float = 1.0,
     ) -> InTransfer:
         """Start receiving ``key`` into ``target``; replays any packets that came early.
 
-        ``stats`` (an F32 reduce): the reduce kernel writes there the statistics of every chunk
-        whose ``contrib`` reaches ``final``, from the finished sum (see
-        :func:`kernels.prepare_receive`).
+        ``stats`` (an F32 reduce): the reduce kernel multiplies every chunk whose ``contrib``
+        reaches ``final`` by ``scale`` and writes its statistics there, from the finished sum
+        (see :func:`kernels.prepare_receive`).
         """
-        t = InTransfer(key, spec, senders, target, contrib, received, now, stats, final)
+        t = InTransfer(key, spec, senders, target, contrib, received, now, stats, final, scale)
         self.transfers[key] = t
         self._refresh_check(t)
         self._early_at.pop(key, None)
@@ -240,7 +243,7 @@ class ReceiverCore:
         if plan is None or plan.session is not session:  # checked once per transfer and session
             plan = t.plan = kernels.prepare_receive(
                 session, t.spec, t.target, t.contrib, t.received, self.counters,
-                place=t.gather, stats=t.stats, final=t.final,
+                place=t.gather, stats=t.stats, final=t.final, scale=t.scale,
             )  # fmt: skip
         kernels.receive_rows(plan, arena, lengths, rows, verdicts)
         # The ACK state follows the judged rows (see transport._kernels_batch.note_arrivals).
@@ -271,7 +274,7 @@ class ReceiverCore:
         if t.got >= t.expected:
             self._complete(t, now, degraded=False)
             return
-        for row in np.flatnonzero(t.new_since_ack >= self.config.ack_every).tolist():
+        for row in (t.new_since_ack >= self.config.ack_every).nonzero()[0].tolist():
             self._ack(t, row, now)
         if t.fin.any():
             self._check(t, now)
@@ -387,7 +390,7 @@ class ReceiverCore:
             if t.done:
                 self._ack_pending.pop(t.key, None)
                 continue
-            for r in np.flatnonzero(t.ack_due <= now).tolist():
+            for r in (t.ack_due <= now).nonzero()[0].tolist():
                 self._ack(t, r, now)
         out, self._out = self._out, []
         return out
@@ -511,7 +514,7 @@ class ReceiverCore:
             lost = ~got
             lost_elems = (lost * t.counts).sum(axis=1)
             prot_lost = (lost & t.protected[rows]).any()
-            if not prot_lost and np.all(lost_elems <= budget):
+            if not prot_lost and (lost_elems <= budget).all():
                 self._complete(t, now, degraded=False)
                 return
         verdict = self.loss.decide(

@@ -257,7 +257,7 @@ class SenderCore:
         if clean is not None:
             self._rtt_sample(clean)
         trig_path = int(t.path[trigger]) if clean is not None else -1
-        for q in np.flatnonzero(r.path_hit).tolist():
+        for q in r.path_hit.nonzero()[0].tolist():
             self.pacers[(peer, q)].controller.on_ack(
                 now=now, acked_bytes=int(r.path_bytes[q]), rtt=clean if q == trig_path else None
             )
@@ -274,7 +274,7 @@ class SenderCore:
         if span is None:
             return
         t, end = span
-        idx = np.flatnonzero(bits[: end - base]) + base
+        idx = bits[: end - base].nonzero()[0] + base
         # A chunk sent less than a smoothed RTT ago may simply not have arrived yet (it was
         # sent after the NACK was): resending it now would only make a duplicate.
         ps = self.paths[key.dst]
@@ -415,7 +415,7 @@ class SenderCore:
             if late.size:
                 # Exponential backoff only for consecutive timeouts (a retransmission that timed
                 # out again), as in RFC 6298; any acknowledgement resets it.
-                if np.any(t.tx[late] > 1):
+                if (t.tx[late] > 1).any():
                     t.rto_backoff = min(t.rto_backoff * 2.0, 64.0)
                 self._declare_lost(t, late, now)
             if not t.manifest_acked and now >= t.manifest_sent_at + self._rto(t):
@@ -527,13 +527,13 @@ class SenderCore:
         peer = t.key.dst
         retx = np.empty(0, dtype=np.int64)
         if t.n_lost:
-            retx = np.flatnonzero((t.state == LOST) & (t.prio == cls))[:budget]
+            retx = ((t.state == LOST) & (t.prio == cls)).nonzero()[0][:budget]
         fresh = np.empty(0, dtype=np.int64)
         skipped = 0
         if retx.size < budget and t.cursor < t.n_chunks:
             window = t.order[t.cursor : t.cursor + (budget - retx.size)]
             last = max(cls, upto)
-            other = np.flatnonzero((t.prio[window] < cls) | (t.prio[window] > last))
+            other = ((t.prio[window] < cls) | (t.prio[window] > last)).nonzero()[0]
             fresh = window[: other[0]] if other.size else window
             kept = self._skip_late_droppable(t, fresh, now)
             skipped = int(fresh.size - kept.size)
@@ -635,7 +635,7 @@ class SenderCore:
     def _retire(self, t: OutTransfer) -> None:
         """The transfer is over (acknowledged, stopped, or past its deadline): free it."""
         if t.n_inflight:
-            self._release(t, np.flatnonzero(t.state == INFLIGHT))
+            self._release(t, (t.state == INFLIGHT).nonzero()[0])
         t.done = True
         t.return_buffer(self._spares)
         self.transfers.pop(t.key, None)

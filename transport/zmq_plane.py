@@ -112,6 +112,7 @@ class _Job:
     future: Future[CollectiveResult]
     servers: tuple[int, ...] | None = None
     out: np.ndarray | None = None
+    scale: float = 1.0
 
 
 class ZmqDataPlane:
@@ -255,10 +256,11 @@ class ZmqDataPlane:
         dtype: int | None = None,
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
+        scale: float = 1.0,
     ) -> Future[CollectiveResult]:
         """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``);
-        ``servers`` makes it a parameter-server push/pull and ``out`` receives the result (both as
-        :meth:`Engine.submit`).
+        ``servers`` makes it a parameter-server push/pull, ``out`` receives the result and
+        ``scale`` multiplies it (all as :meth:`Engine.submit`).
 
         Thread-safe. The Future resolves to ``(sum over ranks, CollectiveReport)`` or fails with
         the collective's error (:class:`TransferFailed` if the plane closes first). ``data`` must
@@ -276,7 +278,8 @@ class ZmqDataPlane:
                 )
                 return fut
             srv = None if servers is None else tuple(servers)
-            self._inbox.put(_Job(step, bucket, data, layer_position, dtype, fut, srv, out))
+            job = _Job(step, bucket, data, layer_position, dtype, fut, srv, out, scale)
+            self._inbox.put(job)
         self._wake()
         return fut
 
@@ -401,6 +404,7 @@ class _Loop:
                 now,
                 job.servers,
                 job.out,
+                scale=job.scale,
             )
             if started:
                 # world == 1 completes inside start(); deliver it now rather than at the next wake.

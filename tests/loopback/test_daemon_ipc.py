@@ -276,6 +276,24 @@ def test_16_bit_buckets_are_summed_in_float32_and_rounded_once(host: Host, dtype
         np.testing.assert_array_equal(result, ref)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_scale_is_applied_as_the_sum_is_copied_out(host: Host, dtype: type):
+    host.daemon()
+    a, b = host.client(0), host.client(1)
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal(5000).astype(dtype) for _ in range(2)]
+    outs = [np.empty_like(x) for x in xs]
+    futs = [c.submit(0, 0, x, out=o, scale=0.5) for c, x, o in zip((a, b), xs, outs, strict=True)]
+    expect = (xs[0].astype(np.float64) + xs[1].astype(np.float64)) * 0.5
+    tol = 1e-6 if dtype == np.float32 else 2e-3
+    for f, o in zip(futs, outs, strict=True):
+        result, _ = f.result(WAIT_S)
+        assert result is o
+        np.testing.assert_allclose(o.astype(np.float64), expect, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="finite"):
+        a.submit(1, 0, xs[0], scale=float("nan")).result(WAIT_S)
+
+
 def test_a_hung_daemon_fails_submissions_at_the_request_timeout(host: Host):
     p = host.process()
     a = host.client(0, request_timeout_s=0.5)

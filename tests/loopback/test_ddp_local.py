@@ -126,7 +126,10 @@ class _WrongPlane:
     def __init__(self, how: str) -> None:
         self.how = how
 
-    def submit(self, step, bucket, data, layer_position=0.5, dtype=None, servers=None, out=None):
+    def submit(
+        self, step, bucket, data, layer_position=0.5, dtype=None, servers=None, out=None, *,
+        scale=1.0,
+    ):  # fmt: skip
         fut: concurrent.futures.Future = concurrent.futures.Future()
         result = data.astype(np.int32) if self.how == "dtype" else data[:-1].copy()
         lr = LossReport(step, bucket, 0, 0, data.size, 0, {}, 0.0, False)

@@ -406,3 +406,21 @@ def test_parameter_server_over_udp_is_exact(cluster: MakeCluster, servers: tuple
         res, rep = f.result(WAIT_S)
         np.testing.assert_allclose(res, expect, rtol=1e-5, atol=1e-5)
         assert rep.delivered_fraction == 1.0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_scale_gives_the_mean_in_place(cluster: MakeCluster, world: int, dtype: type):
+    """``scale=1/world`` over real sockets: every rank's buffer ends as the mean (DDP's hook
+    passes exactly this instead of dividing its bucket first)."""
+    engines = cluster(world)
+    rng = np.random.default_rng(world)
+    data = [rng.standard_normal(300_007).astype(dtype) for _ in range(world)]
+    expect = np.mean([d.astype(np.float64) for d in data], axis=0)
+    bufs = [d.copy() for d in data]
+    futs = [e.submit(1, 0, b, out=b, scale=1.0 / world) for e, b in zip(engines, bufs, strict=True)]
+    tol = 1e-6 if dtype == np.float32 else 2e-3
+    for f, b in zip(futs, bufs, strict=True):
+        res, _ = f.result(WAIT_S)
+        assert res is b
+        np.testing.assert_allclose(b.astype(np.float64), expect, rtol=tol, atol=tol)

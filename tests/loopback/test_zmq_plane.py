@@ -286,3 +286,13 @@ def test_no_fd_or_thread_growth_over_30_collectives(ipc_dir, closing):
     with ZmqDataPlane(0, 2, zmq_config(), eps) as c, ZmqDataPlane(1, 2, zmq_config(), eps) as d:
         _allreduce([c, d], 0, 0, xs)
     assert _resources() == base
+
+
+def test_scale_multiplies_the_sum(ipc_dir, closing):
+    planes = _planes(ipc_dir, 2, closing)
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(70_001).astype(np.float32) for _ in range(2)]
+    futs = [p.submit(4, 0, x, scale=0.5) for p, x in zip(planes, xs, strict=True)]
+    for f in futs:
+        result, _ = f.result(timeout=RESULT_TIMEOUT_S)
+        np.testing.assert_allclose(result, (xs[0] + xs[1]) * 0.5, rtol=1e-6, atol=1e-6)

@@ -448,14 +448,16 @@ def test_place_any_subset_and_order_is_bit_exact(
     n=st.integers(1, 700),
     chunk_elems=st.sampled_from([1, 3, 32, 100]),
     senders=st.integers(1, 3),
+    scale=st.sampled_from([1.0, 0.25, 1 / 3]),
     data=st.data(),
 )
 def test_reduce_takes_the_statistics_of_each_chunk_its_last_contribution_completes(
-    n: int, chunk_elems: int, senders: int, data
+    n: int, chunk_elems: int, senders: int, scale: float, data
 ) -> None:
-    """With ``stats``, a chunk whose contributor count reaches ``final`` carries exactly
-    chunk_stats' norm and tag sums of its finished sum; every other chunk's entry is untouched.
-    (Wrong sums would make every gather datagram fail its tag; a wrong norm, mis-prioritise.)"""
+    """With ``stats``, a chunk whose contributor count reaches ``final`` is multiplied by
+    ``scale`` once and carries exactly chunk_stats' norm and tag sums of the result; every
+    other chunk is neither scaled nor given statistics. (Wrong sums would make every gather
+    datagram fail its tag; a wrong norm, mis-prioritise.)"""
     rng = np.random.default_rng(n * 31 + chunk_elems * 7 + senders)
     shards = [shard(rng, n, DType.F32) for _ in range(senders)]
     packets = [
@@ -472,8 +474,10 @@ def test_reduce_takes_the_statistics_of_each_chunk_its_last_contribution_complet
     counters = np.zeros(N_REASONS, dtype=np.int64)
     sentinel = (np.float32(-7.0), np.uint64(0xDEAD), np.uint64(0xBEEF))
     stats = kernels.ChunkStats(*(np.full(n_chunks, v) for v in sentinel))
+    own = accum.copy()
     plan = kernels.prepare_receive(session(), spec, accum, contrib, received, counters,
-                                   place=False, stats=stats, final=senders + 1)  # fmt: skip
+                                   place=False, stats=stats, final=senders + 1,
+                                   scale=scale)  # fmt: skip
     # Two batches: a chunk may complete in either, and its statistics must follow the last add.
     cut = data.draw(st.integers(0, len(picks)))
     for part in (picks[:cut], picks[cut:]):
@@ -481,6 +485,20 @@ def test_reduce_takes_the_statistics_of_each_chunk_its_last_contribution_complet
             arena, lengths = arena_of([packets[i] for i in part])
             kernels.receive_rows(plan, arena, lengths)
     done = contrib == senders + 1
+    # The sums in float32, in arrival order as the kernel adds them; finished ones scaled once.
+    ref = own.copy()
+    seen = np.zeros((senders, n_chunks), dtype=bool)
+    flat = [(s, c) for s in range(senders) for c in range(n_chunks)]  # packets' (sender, chunk)
+    for i in picks:
+        s, c = flat[i]
+        if not seen[s, c]:
+            seen[s, c] = True
+            a, b = c * chunk_elems, min((c + 1) * chunk_elems, n)
+            ref[a:b] += shards[s][a:b]
+    for c in np.flatnonzero(done):
+        a, b = c * chunk_elems, min((c + 1) * chunk_elems, n)
+        ref[a:b] *= np.float32(scale)
+    assert np.array_equal(accum.view(np.uint32), ref.view(np.uint32))
     want = kernels.chunk_stats(accum, dtype=DType.F32, chunk_elems=chunk_elems)
     for got, ref, fill in zip(stats, want, sentinel, strict=True):
         assert np.array_equal(got[done].view(np.uint8), ref[done].view(np.uint8))
@@ -503,6 +521,12 @@ def test_reduce_statistics_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="F32 reduce"):
         kernels.prepare_receive(session(), spec, accum, contrib, received, counters, place=True,
                                 stats=good, final=2)  # fmt: skip
+    with pytest.raises(ValueError, match="needs stats"):
+        kernels.prepare_receive(session(), spec, accum, contrib, received, counters,
+                                place=False, scale=0.5)  # fmt: skip
+    with pytest.raises(ValueError, match="finite"):
+        kernels.prepare_receive(session(), spec, accum, contrib, received, counters,
+                                place=False, stats=good, final=2, scale=float("nan"))  # fmt: skip
     with pytest.raises(ValueError, match="C-contiguous"):
         kernels.prepare_receive(session(), spec, np.zeros(20, np.float32)[::2], contrib,
                                 received, counters, place=False, stats=good, final=2)  # fmt: skip
