@@ -106,6 +106,10 @@ class InTransfer:
         self.contrib = contrib
         self.received = received
         self.started = started
+        # A gather (or pull) waits for its senders' reduce phases: its soft deadline (NACKs,
+        # lossy completion) runs from its first datagram; until then only the hard deadline
+        # applies (see ReceiverCore.restart_clock).
+        self.running = key.phase not in (Phase.GATHER, Phase.PULL)
         self.counts = chunk_counts(spec.n_elems, spec.chunk_elems)
         n_src = received.shape[0]
         n = spec.n_chunks
@@ -238,6 +242,8 @@ class ReceiverCore:
         session: SessionSpec,
     ) -> None:
         """Reduce (or place) a batch of DATA rows of ``arena`` belonging to ``t``."""
+        if not t.running:  # the senders have begun: the deadlines count from now
+            self._start_clock(t, now)
         verdicts = np.zeros(rows.shape[0], dtype=np.uint8)
         plan = t.plan
         if plan is None or plan.session is not session:  # checked once per transfer and session
@@ -445,15 +451,25 @@ class ReceiverCore:
 
     # -- internals ---------------------------------------------------------------------------
     def restart_clock(self, key: InKey, now: float) -> None:
-        """Count ``key``'s deadlines from ``now``: the phase it waits on ended only now.
+        """The phase ``key`` waits on ended here only now: its hard deadline counts from now
+        (unless its data already started its clock).
 
         A gather transfer is expected from the collective's start, but its data cannot flow
-        before the reduce phase ends; timed from the start, its soft deadline learned the reduce
-        phase's length too and fired NACKs at senders that had not begun.
+        before its sender's reduce phase ends. Its soft deadline, and with it its NACKs, runs
+        from its first datagram: timed from the collective's start, it learned the reduce
+        phase's length too and fired NACKs at senders that had not begun; timed from this
+        rank's own gather start, a gather whose data had mostly come already learned a
+        near-zero duration — a 2 ms deadline, then NACKs for whole shards every few
+        milliseconds at peers still reducing (a slower peer's gather starts later than ours).
         """
         t = self.transfers.get(key)
-        if t is None or t.done:
+        if t is None or t.done or t.running:
             return
+        t.started = max(t.started, now)  # the hard deadline counts from here
+        self._refresh_check(t)
+
+    def _start_clock(self, t: InTransfer, now: float) -> None:
+        t.running = True
         t.started = max(t.started, now)
         t.last_data_at = max(t.last_data_at, t.started)
         self._refresh_check(t)
@@ -462,10 +478,14 @@ class ReceiverCore:
         """When the policy must next look at ``t`` without new packets.
 
         The soft deadline adapts (it may move later after a NACK went out): re-check at the later
-        of it and the NACK repeat, never in the past of both; the hard deadline caps it.
+        of it and the NACK repeat, never in the past of both; the hard deadline caps it. Before
+        a gather's clock runs, only the hard deadline.
         """
-        soft = t.started + self.loss.nack_deadline(t.gather, t.elems)
         hard = t.started + self.config.loss.hard_deadline_s
+        if not t.running:
+            t.check_at = hard
+            return
+        soft = t.started + self.loss.nack_deadline(t.gather, t.elems)
         t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval(t)))
 
     def _nack_interval(self, t: InTransfer) -> float:
@@ -517,6 +537,8 @@ class ReceiverCore:
             if not prot_lost and (lost_elems <= budget).all():
                 self._complete(t, now, degraded=False)
                 return
+        if not t.running and now < t.started + self.config.loss.hard_deadline_s:
+            return  # no data and no sign the senders began: nothing is late yet
         verdict = self.loss.decide(
             gather=gather,
             received=[t.received[r] != 0 for r in rows],

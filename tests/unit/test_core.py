@@ -864,3 +864,43 @@ def test_scale_must_be_finite():
     ep = TransposeAllReduce(0, 2, TransportConfig())
     with pytest.raises(ValueError, match="finite"):
         ep.start(1, 0, np.ones(10, np.float32), 0.5, 0.0, scale=float("inf"))
+
+
+@pytest.mark.parametrize("bound", [0.0, 0.05])
+def test_no_gather_nack_before_the_peer_sends_its_gather(bound):
+    """A peer whose reduce phase is slow starts its gather late. This rank's gather transfer
+    from it must not NACK before its first gather datagram: its deadline clock runs from that
+    datagram. (Timed from this rank's own gather start, a learned near-zero gather duration
+    made it NACK the whole shard every few milliseconds while the peer was still reducing.)"""
+    world, n = 2, 20000
+    eps = make(world, loss=LossConfig(loss_bound=bound, hard_deadline_s=5.0))
+    rng = np.random.default_rng(3)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    log: list[tuple[float, int, int, int]] = []  # (time, src, kind, phase) of what was sent
+    slow = {"on": False}
+
+    def watch(src, dg, q):
+        h = header_of(dg)
+        log.append((wire.now, src, int(h["kind"]), int(h["phase"])))
+        # Rank 0's reduce-phase data for rank 1 is lost for a while: rank 1 reduces late.
+        return (
+            slow["on"] and src == 0 and int(h["kind"]) == Kind.DATA
+            and int(h["phase"]) == Phase.REDUCE and wire.now < slow["until"]
+        )  # fmt: skip
+
+    wire = Wire(eps, drop=watch)
+    for step in range(1, 6):  # lossless history: the deadlines learn short transfers
+        run_allreduce(eps, datas, wire, step=step)
+    log.clear()
+    slow.update(on=True, until=wire.now + 0.05)
+    out = run_allreduce(eps, datas, wire, step=6)
+    assert all(isinstance(out[r], AllReduceComplete) for r in range(world))
+    first_gather = min(
+        t for t, src, k, ph in log if src == 1 and k == Kind.DATA and ph == Phase.GATHER
+    )
+    early_nacks = [
+        t for t, src, k, ph in log
+        if src == 0 and k == Kind.NACK and ph == Phase.GATHER and t < first_gather
+    ]  # fmt: skip
+    assert first_gather > slow["until"] - 0.01  # the peer's gather really started late
+    assert early_nacks == []
