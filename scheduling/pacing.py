@@ -18,7 +18,10 @@ loss budget does not already handle and is **not** a congestion signal. Two thin
   ``delay_floor_s`` above ``min_rtt``) means a queue is building (as in TIMELY, Mittal et al.
   SIGCOMM'15, and Swift, Kumar et al. SIGCOMM'20);
 * **protected loss**: a protected packet was dropped even though the network should have dropped
-  lower classes first: the path is overloaded beyond what priorities absorb.
+  lower classes first: the path is overloaded beyond what priorities absorb. The sender reports
+  every chunk of a reliable transfer (loss bound 0) as protected: it must be resent, so its loss
+  is congestion as it is to TCP (without that, a reliable transfer on a lossy path resent into
+  the same queue at full rate as fast as it detected losses).
 
 Either multiplies the rate by ``decrease``, at most once per smoothed RTT (one reaction per
 congestion event, as TCP's fast recovery does). While acks come back clean the rate grows by

@@ -184,6 +184,35 @@ def timed_out(
 
 
 @njit(**EXACT)
+def rack_due(
+    state: np.ndarray,
+    tx_seq: np.ndarray,
+    path: np.ndarray,
+    prio: np.ndarray,
+    n_classes: int,
+    lane_seq: np.ndarray,
+    lane_at: np.ndarray,
+    deadline_shift: float,
+    now: float,
+    out: np.ndarray,
+) -> int:
+    """The INFLIGHT chunks transmitted before the newest acknowledged chunk of their lane
+    (path × class, ``lane_seq``) when that acknowledgement is ``deadline_shift`` old
+    (``lane_at + deadline_shift <= now``), in index order, into ``out``; returns how many."""
+    n = 0
+    for c in range(state.shape[0]):
+        if state[c] != INFLIGHT:
+            continue
+        lane = np.int64(path[c]) * n_classes + np.int64(prio[c])
+        if lane < 0 or lane >= lane_seq.shape[0]:
+            raise ValueError("rack_due: a chunk's lane is outside the lane tables")
+        if tx_seq[c] < lane_seq[lane] and lane_at[lane] + deadline_shift <= now:
+            out[n] = c
+            n += 1
+    return n
+
+
+@njit(**EXACT)
 def note_sent(
     state: np.ndarray,
     sent_at: np.ndarray,

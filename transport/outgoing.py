@@ -153,6 +153,14 @@ class OutTransfer:
         self._owned: np.ndarray | None = None  # the copied-out payload, once released
         self.state = np.zeros(n, dtype=np.uint8)
         self.sent_at = np.zeros(n, dtype=np.float64)
+        # Transmission order (RACK by sequence): a batch leaves at one timestamp, so send times
+        # cannot tell which of its chunks went first. Per lane (path × class), the newest
+        # acknowledged sequence and when it was learned (SenderCore._rack).
+        self.tx_seq = np.zeros(n, dtype=np.int64)
+        self.next_tx_seq = 0
+        n_lanes = cfg.n_paths * cfg.priority.n_classes
+        self.lane_seq = np.full(n_lanes, -1, dtype=np.int64)
+        self.lane_at = np.full(n_lanes, np.inf)
         self.path = np.zeros(n, dtype=np.int16)
         self.tx = np.zeros(n, dtype=np.uint8)
         # Send order: by class, then chunk index — send_order_key's order for one transfer, whose

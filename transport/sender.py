@@ -31,7 +31,7 @@ from scheduling.pacing import Pacer
 from scheduling.paths import PathSet
 from scheduling.priority import MAX_CLASSES, PriorityPolicy
 from transport import kernels
-from transport._kernels_ack import note_sent, timed_out
+from transport._kernels_ack import note_sent, rack_due, timed_out
 from transport.config import TransportConfig
 from transport.events import Datagram, DatagramRun, SenderReport
 from transport.outgoing import (
@@ -239,6 +239,7 @@ class SenderCore:
         )
         if not r.idx.size:
             return
+        self._note_lanes(t, r.idx, now)
         t.n_lost -= r.n_lost
         t.n_inflight -= r.n_inflight
         t.abandoned_elems -= r.abandoned_elems
@@ -411,6 +412,9 @@ class SenderCore:
                 log.debug("sender gives up %s at the hard deadline", t.key)
                 self._retire(t)
                 continue
+            reordered = self._rack(t, now)
+            if reordered.size:
+                self._declare_lost(t, reordered, now)
             late = self._timed_out(t, now, rtos[t.key.dst])
             if late.size:
                 # Exponential backoff only for consecutive timeouts (a retransmission that timed
@@ -439,6 +443,32 @@ class SenderCore:
         if self.config.multipath:
             return range(self._n_paths)
         return ((self.me + peer) % self._n_paths,)
+
+    def _note_lanes(self, t: OutTransfer, acked: np.ndarray, now: float) -> None:
+        """Newly acknowledged chunks advance their lanes' newest delivered sequence."""
+        lanes = t.path[acked].astype(np.int64) * len(self._tos) + t.prio[acked]
+        newest = np.full(t.lane_seq.shape[0], -1, dtype=np.int64)
+        np.maximum.at(newest, lanes, t.tx_seq[acked])
+        ahead = newest > t.lane_seq
+        t.lane_seq[ahead] = newest[ahead]
+        t.lane_at[ahead] = now
+
+    def _rack(self, t: OutTransfer, now: float) -> np.ndarray:
+        """In-flight chunks sent before a chunk of their lane that was acknowledged at least
+        ``reorder_window_s`` ago (RACK, RFC 8985, ordered by transmission sequence).
+
+        A lane is one path and one class (one socket and TOS, one queue of a priority
+        network): in it, a chunk overtaken by a later one for that long is lost. The ACK-time
+        check (kernels.apply_ack) compares send times, and a batch's chunks share one: a chunk
+        lost from the middle of a batch waited for the retransmission timeout (about 10 ms on
+        a loaded 2-core host) instead of the reorder window.
+        """
+        if not t.n_inflight:
+            return np.empty(0, dtype=np.int64)
+        out = np.empty(t.n_chunks, dtype=np.int64)
+        n = rack_due(t.state, t.tx_seq, t.path, t.prio, len(self._tos), t.lane_seq, t.lane_at,
+                     self.config.reorder_window_s, now, out)  # fmt: skip
+        return out[:n]
 
     def _timed_out(self, t: OutTransfer, now: float, path_rtos: np.ndarray) -> np.ndarray:
         """In-flight chunks older than their own path's retransmission timeout (``path_rtos``:
@@ -482,7 +512,8 @@ class SenderCore:
         self.paths[peer].on_lost(paths, sizes, now)
         for q in np.unique(paths):
             sel = paths == q
-            prot = bool(t.protected[idx[sel]].any())
+            # A reliable transfer must deliver every chunk: any loss of it is congestion.
+            prot = t.budget_elems == 0 or bool(t.protected[idx[sel]].any())
             self.pacers[(peer, int(q))].controller.on_loss(
                 now=now, lost_bytes=int(sizes[sel].sum()), protected=prot
             )
@@ -567,6 +598,8 @@ class SenderCore:
         )  # fmt: skip
         t.n_inflight += fit
         t.n_lost -= n_retx
+        t.tx_seq[chunks] = np.arange(t.next_tx_seq, t.next_tx_seq + fit)
+        t.next_tx_seq += fit
         t.advance_cursor()
         self.paths[peer].on_sent(paths, sizes, now)
         for q, nb in enumerate(per_path.tolist()):

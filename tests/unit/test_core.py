@@ -904,3 +904,63 @@ def test_no_gather_nack_before_the_peer_sends_its_gather(bound):
     ]  # fmt: skip
     assert first_gather > slow["until"] - 0.01  # the peer's gather really started late
     assert early_nacks == []
+
+
+def _lose_first_transmission(chunk: int):
+    """A Wire drop rule losing the first transmission of rank 0's reduce-phase ``chunk``, and
+    the list of that chunk's transmissions so far (1, 2, ...)."""
+    sent: list[int] = []
+
+    def drop(src, dg, q):
+        if src != 0 or kind_of(dg) != Kind.DATA:
+            return False
+        h = header_of(dg)
+        if h["phase"] != Phase.REDUCE or h["chunk"] != chunk:
+            return False
+        sent.append(len(sent) + 1)
+        return len(sent) == 1
+
+    return drop, sent
+
+
+def test_a_chunk_lost_mid_batch_is_resent_after_the_reorder_window_not_the_rto():
+    """A batch leaves at one timestamp, so send times cannot order its chunks: a chunk lost
+    from its middle is found by transmission order (RACK) — a later chunk of its lane was
+    acknowledged reorder_window_s ago — long before the retransmission timeout."""
+    world, n = 2, 2000
+    eps = make(
+        world,
+        min_rto_s=0.25,
+        priority=PriorityConfig(policy="flat"),  # one class: the shard is one lane
+        loss=LossConfig(loss_bound=0.0, soft_deadline_max_s=0.5, hard_deadline_s=5.0),
+    )
+    rng = np.random.default_rng(8)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    drop, sent = _lose_first_transmission(chunk=3)
+    wire = Wire(eps, drop=drop)
+    out = run_allreduce(eps, datas, wire)
+    assert all(isinstance(out[r], AllReduceComplete) for r in range(world))
+    np.testing.assert_allclose(out[1].result, datas[0] + datas[1], rtol=1e-6, atol=1e-6)
+    assert sent == [1, 2]  # resent once
+    assert wire.now < 0.05  # the RTO (0.25 s) and the NACK deadline (0.5 s) never came
+
+
+@pytest.mark.parametrize(("bound", "decreases"), [(0.0, True), (0.3, False)])
+def test_a_reliable_transfer_s_loss_is_congestion_a_tolerated_one_is_not(bound, decreases):
+    """The loss-tolerant controller slows down for losses that must be resent: any chunk of a
+    reliable transfer, a protected one of a bounded transfer — not for a chunk the bound lets
+    go (here nothing is protected: the flat policy)."""
+    world, n = 2, 2000
+    eps = make(
+        world,
+        priority=PriorityConfig(policy="flat"),
+        loss=LossConfig(loss_bound=bound, soft_deadline_max_s=0.5, hard_deadline_s=5.0),
+    )
+    rng = np.random.default_rng(9)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    drop, _ = _lose_first_transmission(chunk=2)
+    out = run_allreduce(eps, datas, Wire(eps, drop=drop))
+    assert all(isinstance(out[r], AllReduceComplete) for r in range(world))
+    sender = eps[0].endpoint.sender
+    n_dec = sum(p.controller.decreases for (peer, _), p in sender.pacers.items() if peer == 1)
+    assert (n_dec > 0) == decreases
