@@ -1,0 +1,23 @@
+"""``python -m bench.core_cpu`` runs end to end and writes its summary.
+
+No timing is asserted: only that every collective it times computed the sum (the harness
+checks each result against NumPy and raises otherwise), that the cores' CPU was measured, and
+that the JSON has its summary.
+"""
+
+from __future__ import annotations
+
+import json
+
+from bench import core_cpu
+
+
+def test_core_cpu_benchmark_sums_and_writes_its_summary(tmp_path):
+    path = tmp_path / "core.json"
+    args = ["--ranks", "2,3", "--sizes", "0.25", "--reps", "2", "--json", str(path)]
+    assert core_cpu.main(args) == 0
+    doc = json.loads(path.read_text())
+    assert set(doc["summary"]["cpu_ms_per_rank"]) == {"2x0.25", "3x0.25"}
+    for row in doc["rows"]:
+        assert row["cpu_ms_per_rank"] > 0
+        assert row["passes_per_rank_per_collective"] >= 1
