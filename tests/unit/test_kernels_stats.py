@@ -1,0 +1,113 @@
+"""The float32 reduce kernel's finishing step (``prepare_receive(stats=, final=, scale=)``): a
+chunk whose last contribution lands is scaled once and gets exactly ``chunk_stats``' norm and
+tag sums; the arguments are checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.unit.test_kernels import (
+    SETTINGS,
+    WORLD,
+    arena_of,
+    header,
+    pack_all,
+    session,
+    shard,
+    transfer,
+)
+from transport import kernels
+from transport.packet import N_REASONS, DType
+from transport.tag import TagKey
+
+
+@SETTINGS
+@given(
+    n=st.integers(1, 700),
+    chunk_elems=st.sampled_from([1, 3, 32, 100]),
+    senders=st.integers(1, 3),
+    scale=st.sampled_from([1.0, 0.25, 1 / 3]),
+    data=st.data(),
+)
+def test_reduce_takes_the_statistics_of_each_chunk_its_last_contribution_completes(
+    n: int, chunk_elems: int, senders: int, scale: float, data
+) -> None:
+    """With ``stats``, a chunk whose contributor count reaches ``final`` is multiplied by
+    ``scale`` once and carries exactly chunk_stats' norm and tag sums of the result; every
+    other chunk is neither scaled nor given statistics. (Wrong sums would make every gather
+    datagram fail its tag; a wrong norm, mis-prioritise.)"""
+    rng = np.random.default_rng(n * 31 + chunk_elems * 7 + senders)
+    shards = [shard(rng, n, DType.F32) for _ in range(senders)]
+    packets = [
+        p
+        for s in range(senders)
+        for p in pack_all(shards[s], DType.F32, chunk_elems, TagKey(), header(src=s))
+    ]
+    picks = data.draw(st.lists(st.integers(0, len(packets) - 1), max_size=2 * len(packets)))
+    n_chunks = -(-n // chunk_elems)
+    spec = transfer(DType.F32, n, chunk_elems, src_lo=0, src_hi=senders)
+    accum = rng.standard_normal(n).astype(np.float32)  # this rank's own contribution
+    contrib = np.ones(n_chunks, dtype=np.uint16)
+    received = np.zeros((senders, n_chunks), dtype=np.uint8)
+    counters = np.zeros(N_REASONS, dtype=np.int64)
+    sentinel = (np.float32(-7.0), np.uint64(0xDEAD), np.uint64(0xBEEF))
+    stats = kernels.ChunkStats(*(np.full(n_chunks, v) for v in sentinel))
+    own = accum.copy()
+    plan = kernels.prepare_receive(session(), spec, accum, contrib, received, counters,
+                                   place=False, stats=stats, final=senders + 1,
+                                   scale=scale)  # fmt: skip
+    # Two batches: a chunk may complete in either, and its statistics must follow the last add.
+    cut = data.draw(st.integers(0, len(picks)))
+    for part in (picks[:cut], picks[cut:]):
+        if part:
+            arena, lengths = arena_of([packets[i] for i in part])
+            kernels.receive_rows(plan, arena, lengths)
+    done = contrib == senders + 1
+    # The sums in float32, in arrival order as the kernel adds them; finished ones scaled once.
+    ref = own.copy()
+    seen = np.zeros((senders, n_chunks), dtype=bool)
+    flat = [(s, c) for s in range(senders) for c in range(n_chunks)]  # packets' (sender, chunk)
+    for i in picks:
+        s, c = flat[i]
+        if not seen[s, c]:
+            seen[s, c] = True
+            a, b = c * chunk_elems, min((c + 1) * chunk_elems, n)
+            ref[a:b] += shards[s][a:b]
+    for c in np.flatnonzero(done):
+        a, b = c * chunk_elems, min((c + 1) * chunk_elems, n)
+        ref[a:b] *= np.float32(scale)
+    assert np.array_equal(accum.view(np.uint32), ref.view(np.uint32))
+    want = kernels.chunk_stats(accum, dtype=DType.F32, chunk_elems=chunk_elems)
+    for got, ref, fill in zip(stats, want, sentinel, strict=True):
+        assert np.array_equal(got[done].view(np.uint8), ref[done].view(np.uint8))
+        assert np.all(got[~done] == fill)
+
+
+def test_reduce_statistics_arguments_are_checked() -> None:
+    spec = transfer(DType.F32, 10, 4)
+    accum, contrib = np.zeros(10, np.float32), np.ones(3, np.uint16)
+    received, counters = np.zeros((WORLD, 3), np.uint8), np.zeros(N_REASONS, np.int64)
+    good = kernels.ChunkStats(np.zeros(3, np.float32), np.zeros(3, np.uint64),
+                              np.zeros(3, np.uint64))  # fmt: skip
+    with pytest.raises(ValueError, match="final"):
+        kernels.prepare_receive(session(), spec, accum, contrib, received, counters,
+                                place=False, stats=good, final=0)  # fmt: skip
+    short_b = good._replace(sum_b=np.zeros(2, np.uint64))
+    with pytest.raises(ValueError, match=r"stats\.sum_b"):
+        kernels.prepare_receive(session(), spec, accum, contrib, received, counters,
+                                place=False, stats=short_b, final=2)  # fmt: skip
+    with pytest.raises(ValueError, match="F32 reduce"):
+        kernels.prepare_receive(session(), spec, accum, contrib, received, counters, place=True,
+                                stats=good, final=2)  # fmt: skip
+    with pytest.raises(ValueError, match="needs stats"):
+        kernels.prepare_receive(session(), spec, accum, contrib, received, counters,
+                                place=False, scale=0.5)  # fmt: skip
+    with pytest.raises(ValueError, match="finite"):
+        kernels.prepare_receive(session(), spec, accum, contrib, received, counters,
+                                place=False, stats=good, final=2, scale=float("nan"))  # fmt: skip
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels.prepare_receive(session(), spec, np.zeros(20, np.float32)[::2], contrib,
+                                received, counters, place=False, stats=good, final=2)  # fmt: skip
