@@ -234,8 +234,16 @@ class UdpPaths:
             c.tx_datagrams += 1
             c.tos_fallback += fallback
             if payload is None:
-                # asyncio copies what it has to queue (a memoryview into an arena is fine).
-                tr.sendto(data, dest)
+                # The socket's own call releases the GIL during the system call (the loop's
+                # transport holds it); asyncio copies what it has to queue when it is full.
+                try:
+                    sock.sendto(data, dest)
+                except (BlockingIOError, InterruptedError):
+                    tr.sendto(data, dest)
+                except OSError as e:  # e.g. an ICMP error reported on this send: count, go on
+                    c.tx_errors += 1
+                    log.debug("path %d: send error %s", path, e)
+                    continue
                 c.tx_bytes += len(data)
                 continue
             c.tx_bytes += len(data) + len(payload)

@@ -234,3 +234,51 @@ def test_engines_all_reduce_exactly_over_ipv6():
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_control_datagram_goes_out_by_the_socket_or_queued_by_the_transport():
+    """A single datagram (a control packet) goes out with the socket's own ``sendto`` (which
+    releases the GIL); when the socket's buffer is full (EAGAIN) the loop's transport queues it
+    instead, and a refused one is counted. Every accepted one reaches the peer."""
+    import asyncio
+
+    from transport.events import Datagram
+
+    class Full:
+        """A socket whose buffer is always full."""
+
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock = sock
+
+        def sendto(self, data: bytes, dest: tuple) -> int:
+            raise BlockingIOError
+
+        def fileno(self) -> int:
+            return self.sock.fileno()
+
+    peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    peer.bind(("127.0.0.1", 0))
+    peer.settimeout(5)
+
+    async def send(full: bool, dest: tuple) -> udp.UdpCounters:
+        u = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
+                         bufsize=1 << 20)  # fmt: skip
+        try:
+            await u.open([("127.0.0.1", 0)])
+            if full:
+                u._socks = {tr: Full(s) for tr, s in u._socks.items()}
+            u.set_peers([[dest]])
+            u._send_each([Datagram(b"ack-%d" % int(full), 0, 0, 0)])
+            return u.counters
+        finally:
+            await u.wait_closed()
+
+    try:
+        for full in (False, True):
+            c = asyncio.run(send(full, peer.getsockname()))
+            assert c.tx_datagrams == 1 and c.tx_errors == 0
+            assert peer.recv(64) == b"ack-%d" % int(full)
+        c = asyncio.run(send(False, ("127.0.0.1", 0)))  # port 0: the kernel refuses it
+        assert c.tx_errors == 1
+    finally:
+        peer.close()
