@@ -76,11 +76,10 @@ def _deliver(eps: list[Any], queues: list[list[Any]], r: int, now: float) -> Non
             ep.commit_datagrams(lengths, path, now)  # processes the arena when it is full
 
 
-def _route(out: list[Any], queues: list[list[Any]]) -> int:
-    """Queue every datagram of a service pass at its destination; returns how many."""
+def _route(out: list[Any], queues: list[list[Any]]) -> None:
+    """Queue every datagram of a service pass at its destination."""
     from transport.events import DatagramRun
 
-    n = 0
     for item in out:
         if isinstance(item, DatagramRun):
             hdr = np.frombuffer(item.hdr, dtype=np.uint8).reshape(-1, item.header_bytes)
@@ -89,13 +88,10 @@ def _route(out: list[Any], queues: list[list[Any]]) -> int:
                 s, z = int(item.starts[i]), int(item.sizes[i])
                 parts = (hdr[int(item.chunks[i])].copy(), bytes(pay[s : s + z]))
                 queues[item.peer].append((int(item.paths[i]), parts))
-                n += 1
         else:
             parts = (bytes(item.data),) if item.payload is None else (
                 bytes(item.data), bytes(item.payload))  # fmt: skip
             queues[item.peer].append((item.path, parts))
-            n += 1
-    return n
 
 
 def run_one(world: int, mb: float, reps: int, tick_s: float, profile: Any = None) -> dict[str, Any]:

@@ -191,20 +191,14 @@ class PriorityPolicy(ABC):
         Returns ``(rank, protected, droppable)`` where ``rank[i]`` is chunk ``i``'s position in
         descending norm order (0 = largest), ties broken by the lower chunk index first.
         """
-        n = norms.shape[0]
-        order = _descending_order(norms)
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.arange(n)
-        cfg = self.config
-        n_prot = _count(cfg.protected_fraction, n, at_least_one=True)
-        n_drop = min(_count(cfg.droppable_fraction, n, at_least_one=False), n - n_prot)
-        protected = rank < n_prot
-        droppable = rank >= n - n_drop
+        order, protected, droppable = self._extreme_masks(norms)
+        rank = np.empty(order.shape[0], dtype=np.int64)
+        rank[order] = np.arange(order.shape[0])
         return rank, protected, droppable
 
-    def _extreme_masks(self, norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_extreme_sets` without the ranks: the protected and droppable masks,
-        marked through the descending order directly (for policies that need no rank)."""
+    def _extreme_masks(self, norms: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The descending norm order and the protected / droppable masks, marked through
+        that order (policies that need no rank stop here: :meth:`_extreme_sets` adds it)."""
         n = norms.shape[0]
         order = _descending_order(norms)
         cfg = self.config
@@ -214,7 +208,7 @@ class PriorityPolicy(ABC):
         protected[order[:n_prot]] = True
         droppable = np.zeros(n, dtype=bool)
         droppable[order[n - n_drop :]] = True
-        return protected, droppable
+        return order, protected, droppable
 
     def _middle_band(self) -> tuple[int, int]:
         """Classes left for chunks that are neither protected nor droppable: 1..n_classes-2.
@@ -276,7 +270,7 @@ class LayerMagnitudePolicy(PriorityPolicy):
         n = norms.shape[0]
         if pinned:
             return self._pinned(n)
-        protected, droppable = self._extreme_masks(norms)
+        _, protected, droppable = self._extreme_masks(norms)
         lo, hi = self._middle_band()
         middle = _position_class(pos, lo, hi)
         prio = np.full(n, middle, dtype=np.uint8)
