@@ -223,6 +223,11 @@ class PathSet:
         """Smoothed RTT of a path (seconds), or NaN before its first sample."""
         return float(self._srtt[path])
 
+    def min_rtts(self) -> np.ndarray:
+        """Smallest RTT seen on every path (seconds; inf before the first sample): the path's
+        own delay without the queueing and scheduling that inflate the smoothed RTT."""
+        return self._min_rtt.copy()
+
     def sampled(self) -> np.ndarray:
         """Per path: True once it has an RTT sample (``rtt_estimate`` is not NaN)."""
         return ~np.isnan(self._srtt)

@@ -10,8 +10,8 @@ which then need no grouping at all.
 
 :func:`note_arrivals`: after the reduce or place kernel has judged a batch of one transfer's
 DATA rows, the receiver's acknowledgement state follows them: per sender, the packets since its
-last ACK, the newest packet (the ACK's trigger, for the sender's RTT sample) and its path, and
-when the ACK is due.
+last ACK, the newest packet (the ACK's trigger, for the sender's RTT sample) and its path, when
+the ACK is due, and when the sender's first pass was seen to end (``Flags.PASS_END``).
 
 Each ran as one to two dozen NumPy operations per batch (a few microseconds of interpreter and
 dispatch overhead each, on a few dozen rows); one compiled pass costs about as much as one.
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit
 
 from transport._kernels_common import EXACT
-from transport.packet import HEADER_SIZE, MAGIC, VERSION, Kind, Reason
+from transport.packet import HEADER_SIZE, MAGIC, VERSION, Flags, Kind, Reason
 
 _OVERSIZED = int(Reason.OVERSIZED)
 _TRUNCATED = int(Reason.TRUNCATED)
@@ -32,6 +32,8 @@ _BAD_VERSION = int(Reason.BAD_VERSION)
 _BAD_KIND = int(Reason.BAD_KIND)
 _FOREIGN_JOB = int(Reason.FOREIGN_JOB)
 _DATA = int(Kind.DATA)
+_PASS_END = int(Flags.PASS_END)
+_FLAGS_AT = 4  # the flags byte of a header (HEADER_DTYPE)
 _MAX_KIND = int(max(Kind))
 _I64 = np.int64
 
@@ -191,32 +193,38 @@ def note_arrivals(
     trigger_at: np.ndarray,
     path: np.ndarray,
     ack_due: np.ndarray,
-) -> tuple[int, int, int]:
+    pass_end: np.ndarray,
+) -> tuple[int, int, int, int]:
     """Acknowledgement state after a judged batch: ``rows`` of ``arena`` (with ``lengths`` and
     ``paths`` per arena row) and their ``verdicts`` (Reason codes, one per item of ``rows``).
 
     Per accepted packet of sender row ``r = src - src_lo``: ``new_since_ack[r] += 1``, its chunk
     becomes ``trigger[r]`` (the newest arrival wins) at ``trigger_at[r] = now`` on ``path[r]``,
     and an ACK not yet due becomes due at ``ack_at``. A duplicate (our ACK was lost or late)
-    makes the ACK due by ``ack_at`` at the latest. Returns ``(accepted, duplicates, bytes
-    accepted)``.
+    makes the ACK due by ``ack_at`` at the latest. An accepted or duplicate packet flagged
+    ``PASS_END`` sets ``pass_end[r] = now`` unless it is set already (not ``inf``). Returns
+    ``(accepted, duplicates, bytes accepted, senders whose pass end is new)``.
     """
     if rows.shape[0] > verdicts.shape[0]:
         raise ValueError("note_arrivals: one verdict per row")
     n_src = new_since_ack.shape[0]
     if trigger.shape[0] != n_src or trigger_at.shape[0] != n_src or path.shape[0] != n_src:
         raise ValueError("note_arrivals: the per-sender arrays differ in length")
-    if ack_due.shape[0] != n_src:
+    if ack_due.shape[0] != n_src or pass_end.shape[0] != n_src:
         raise ValueError("note_arrivals: the per-sender arrays differ in length")
     n_ok = 0
     n_dup = 0
     nbytes = 0
+    n_end = 0
     for j in range(rows.shape[0]):
         v = verdicts[j]
         if v not in (_OK, _DUPLICATE):
             continue
         i = rows[j]
         r = _u16(arena[i], 20) - src_lo
+        if 0 <= r < n_src and arena[i, _FLAGS_AT] & _PASS_END and pass_end[r] == np.inf:
+            pass_end[r] = now
+            n_end += 1
         if v == _DUPLICATE:
             n_dup += 1
             if 0 <= r < n_src and ack_due[r] > ack_at:
@@ -232,4 +240,4 @@ def note_arrivals(
         path[r] = paths[i]
         if ack_due[r] == np.inf:
             ack_due[r] = ack_at
-    return n_ok, n_dup, nbytes
+    return n_ok, n_dup, nbytes, n_end

@@ -443,7 +443,9 @@ class Endpoint:
         )
 
     def _on_nack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
-        self.sender.on_nack(self._out_key(f), f["chunk"], self._bits(raw, f["count"]), now)
+        # aux: the newest chunk that reached the receiver from us, plus one (0: none yet).
+        bits = self._bits(raw, f["count"])
+        self.sender.on_nack(self._out_key(f), f["chunk"], bits, now, newest=f["aux"] - 1)
 
     def _on_stop(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
         self.sender.on_stop(self._out_key(f))

@@ -62,6 +62,7 @@ PENDING, INFLIGHT, LOST, ACKED, ABANDONED = 0, 1, 2, 3, 4
 _PROTECTED = np.uint8(Flags.PROTECTED)
 _DROPPABLE = np.uint8(Flags.DROPPABLE)
 _LAST = np.uint8(Flags.LAST)
+_PASS_END = np.uint8(Flags.PASS_END)
 
 
 class OutKey(NamedTuple):
@@ -115,11 +116,16 @@ class OutTransfer:
         self.prio = np.ascontiguousarray(classes.prio, dtype=np.uint8)
         self.protected = np.asarray(classes.protected, dtype=bool)
         self.droppable = np.asarray(classes.droppable, dtype=bool) & ~self.protected
+        # Send order: by class, then chunk index — send_order_key's order for one transfer, whose
+        # chunks share one layer position (transfers are merged by the sender's heap): a stable
+        # sort of the classes is that order, without building the keys.
+        self.order = np.argsort(self.prio, kind="stable").astype(np.int64, copy=False)
         # Booleans viewed as 0/1 bytes: the flag bits by two multiplies, no temporaries.
         flags = self.protected.view(np.uint8) * _PROTECTED
         flags |= self.droppable.view(np.uint8) * _DROPPABLE
         if n:
             flags[-1] |= _LAST
+            flags[self.order[-1]] |= _PASS_END  # the first pass's last chunk (Flags.PASS_END)
         self.lengths = np.zeros(max(n, 1), dtype=np.int32)
         self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # datagram lengths
         self.hdr = np.empty((n, HEADER_SIZE), dtype=np.uint8)
@@ -163,10 +169,6 @@ class OutTransfer:
         self.lane_at = np.full(n_lanes, np.inf)
         self.path = np.zeros(n, dtype=np.int16)
         self.tx = np.zeros(n, dtype=np.uint8)
-        # Send order: by class, then chunk index — send_order_key's order for one transfer, whose
-        # chunks share one layer position (transfers are merged by the sender's heap): a stable
-        # sort of the classes is that order, without building the keys.
-        self.order = np.argsort(self.prio, kind="stable").astype(np.int64, copy=False)
         self.cursor = 0
         self.n_lost = 0
         self.n_inflight = 0

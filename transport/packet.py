@@ -101,7 +101,13 @@ class Kind(IntEnum):
 
 
 class Flags(IntFlag):
-    """Per-packet flags."""
+    """Per-packet flags.
+
+    ``PASS_END`` marks the chunk a sender sends last in its first pass (its send order: class,
+    then index). Once it has come, a gap the receiver still has is loss, not data on its way:
+    the receiver settles or NACKs that sender after the reorder window instead of waiting for
+    the sender's FIN or the soft deadline.
+    """
 
     NONE = 0
     RETRANSMIT = 1
@@ -109,6 +115,7 @@ class Flags(IntFlag):
     LAST = 4
     ROTATED = 8
     DROPPABLE = 16
+    PASS_END = 32
 
 
 class Phase(IntEnum):

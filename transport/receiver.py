@@ -20,6 +20,14 @@ Completion, checked after each batch and on timers, in this order:
    within the bound with every protected chunk; hard: degrade or fail). While it says CONTINUE
    after the soft deadline, the chunks it still needs are NACKed to their senders.
 
+A sender's first pass ends with a chunk flagged ``PASS_END``. ``reorder_window_s`` after it
+came, what that sender still lacks is lost, not on its way: a gap the bound allows (none of it
+protected, the manifest known) settles the sender as its FIN would; any other gap is NACKed
+at once. Without this a tail loss waited for the sender's loss detection and FIN, or for the
+soft deadline (which most lossy completions did), and a reliable phase's for the NACK deadline.
+A NACK names the newest chunk that came from its sender, so the sender can tell a chunk sent
+before it (lost) from one sent after (maybe still on its way).
+
 A finished transfer is remembered for ``linger_s`` so late DATA is answered with STOP instead of
 being reduced twice. DATA for a transfer this rank has not started yet (a faster peer) is held,
 within ``early_buffer_bytes``, and replayed when it starts.
@@ -122,6 +130,7 @@ class InTransfer:
         self.manifest_known = np.zeros(n_src, dtype=bool)
         self.abandoned = np.zeros((n_src, n), dtype=bool)
         self.fin = np.zeros(n_src, dtype=bool)
+        self.pass_end = np.full(n_src, np.inf)  # when each sender's PASS_END chunk came
         self.new_since_ack = np.zeros(n_src, dtype=np.int64)
         self.ack_due = np.full(n_src, np.inf)
         self.trigger = np.zeros(n_src, dtype=np.int64)
@@ -253,7 +262,7 @@ class ReceiverCore:
             )  # fmt: skip
         kernels.receive_rows(plan, arena, lengths, rows, verdicts)
         # The ACK state follows the judged rows (see transport._kernels_batch.note_arrivals).
-        n_ok, n_dup, nbytes = note_arrivals(
+        n_ok, n_dup, nbytes, n_end = note_arrivals(
             arena,
             lengths,
             rows,
@@ -267,6 +276,7 @@ class ReceiverCore:
             t.trigger_at,
             t.path,
             t.ack_due,
+            t.pass_end,
         )
         t.duplicates += n_dup
         t.rejected += rows.shape[0] - n_ok - n_dup
@@ -282,6 +292,8 @@ class ReceiverCore:
             return
         for row in (t.new_since_ack >= self.config.ack_every).nonzero()[0].tolist():
             self._ack(t, row, now)
+        if n_end:  # a sender's first pass ended: look at its gaps after the reorder window
+            self._refresh_check(t)
         if t.fin.any():
             self._check(t, now)
 
@@ -487,6 +499,14 @@ class ReceiverCore:
             return
         soft = t.started + self.loss.nack_deadline(t.gather, t.elems)
         t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval(t)))
+        ended = t.pass_end[t.rows]
+        if np.isfinite(ended).any():
+            # Senders whose first pass ended with chunks still missing: their gaps are loss
+            # from the reorder window on (see the module's theory of operation).
+            gap = np.isfinite(ended) & ~t.fin[t.rows] & (t.received[t.rows] == 0).any(axis=1)
+            if gap.any():
+                when = float(ended[gap].min()) + self.config.reorder_window_s
+                t.check_at = min(t.check_at, max(when, t.nack_at + self._nack_interval(t)))
 
     def _nack_interval(self, t: InTransfer) -> float:
         base = max(self.config.min_rto_s, 4 * self.config.ack_delay_s)
@@ -529,6 +549,9 @@ class ReceiverCore:
         got = t.received[rows] != 0
         # A sender is settled when everything arrived, or it sent FIN and the rest arrived.
         complete_rows = got.all(axis=1)
+        lacking = (t.pass_end[rows] + self.config.reorder_window_s <= now) & ~complete_rows
+        lacking &= ~t.fin[rows]
+        gaps = self._settle_passes(t, got, lacking.nonzero()[0], budget) if lacking.any() else None
         settled_rows = complete_rows | (t.fin[rows] & (got | t.abandoned[rows]).all(axis=1))
         if t.fin[rows].any() and settled_rows.all():
             lost = ~got
@@ -537,6 +560,8 @@ class ReceiverCore:
             if not prot_lost and (lost_elems <= budget).all():
                 self._complete(t, now, degraded=False)
                 return
+        if gaps is not None and gaps.size:
+            self._nack(t, gaps, now)  # rate-limited like every NACK of this transfer
         if not t.running and now < t.started + self.config.loss.hard_deadline_s:
             return  # no data and no sign the senders began: nothing is late yet
         verdict = self.loss.decide(
@@ -561,6 +586,30 @@ class ReceiverCore:
             self.emit(PeerTimedOut(err, t.key.step, t.key.bucket))
         elif now >= t.started + self.loss.nack_deadline(gather, t.elems):
             self._nack(t, verdict.need, now)
+
+    def _settle_passes(
+        self, t: InTransfer, got: np.ndarray, ended: np.ndarray, budget: int
+    ) -> np.ndarray:
+        """Senders (indices into ``t.rows``) whose first pass ended a reorder window ago with
+        chunks missing: a gap the bound allows — none of it protected, the manifest known,
+        within ``budget`` elements — settles the sender as its FIN would (the gap given up);
+        the others' gaps are returned as ``(sender index, chunk)`` rows to NACK."""
+        need: list[np.ndarray] = []
+        for k in ended.tolist():
+            r = int(t.rows[k])
+            lost = ~got[k]
+            if (
+                budget > 0
+                and t.manifest_known[r]
+                and not (lost & t.protected[r]).any()
+                and int(t.counts[lost].sum()) <= budget
+            ):
+                t.fin[r] = True
+                t.abandoned[r] = lost
+            else:
+                chunks = lost.nonzero()[0]
+                need.append(np.stack((np.full(chunks.shape[0], k), chunks), axis=1))
+        return np.concatenate(need) if need else np.empty((0, 2), dtype=np.int64)
 
     def _nack(self, t: InTransfer, need: np.ndarray, now: float) -> None:
         """Ask senders for the chunks the policy still needs (at most once per interval)."""
@@ -591,6 +640,9 @@ class ReceiverCore:
                 chunk=0,
                 count=t.spec.n_chunks,
                 payload=np.packbits(bits, bitorder="little").tobytes(),
+                # The newest chunk from this sender, plus one (0: none yet): a chunk it sent
+                # before that one's last transmission is lost, not on its way.
+                aux=int(t.trigger[r]) + 1 if t.received[r].any() else 0,
             )
             self._out.append(Datagram(data, src, int(t.path[r]), self.tos))
 

@@ -269,24 +269,43 @@ class SenderCore:
         else:
             self._maybe_fin(t, now)
 
-    def on_nack(self, key: OutKey, base: int, bits: np.ndarray, now: float) -> None:
-        """The receiver needs these chunks now: queue them for retransmission, even abandoned."""
+    def on_nack(
+        self, key: OutKey, base: int, bits: np.ndarray, now: float, newest: int = -1
+    ) -> None:
+        """The receiver needs these chunks now: queue them for retransmission, even abandoned.
+
+        ``newest`` is the newest chunk that had reached the receiver when it asked (-1: none,
+        or an old receiver). A chunk this sender last sent before that chunk's last
+        transmission should have arrived: it is lost. One sent after it may still be on its
+        way, if it left less than the path's smallest RTT (at least the reorder window) ago.
+        Without ``newest`` a chunk sent less than a smoothed RTT ago counts as on its way —
+        and on a loaded host the smoothed RTT is mostly scheduling delay, so a resend that was
+        lost too waited for the retransmission timeout while the receiver NACKed in vain.
+        """
         span = self._bitmap_span(key, base, bits)
         if span is None:
             return
         t, end = span
         idx = bits[: end - base].nonzero()[0] + base
-        # A chunk sent less than a smoothed RTT ago may simply not have arrived yet (it was
-        # sent after the NACK was): resending it now would only make a duplicate.
         ps = self.paths[key.dst]
-        srtt = np.array([ps.rtt_estimate(q) for q in range(self._n_paths)])
-        young = now - t.sent_at[idx] < np.nan_to_num(srtt, nan=0.0)[t.path[idx]]
+        evidence = 0 <= newest < t.n_chunks
+        if evidence:
+            floor = np.maximum(ps.min_rtts(), self.config.reorder_window_s)
+            floor[~np.isfinite(floor)] = self.config.reorder_window_s
+            overtaken = t.tx_seq[idx] < t.tx_seq[newest]
+            young = ~overtaken & (now - t.sent_at[idx] < floor[t.path[idx]])
+        else:
+            srtt = np.array([ps.rtt_estimate(q) for q in range(self._n_paths)])
+            young = now - t.sent_at[idx] < np.nan_to_num(srtt, nan=0.0)[t.path[idx]]
         idx = idx[~((t.state[idx] == INFLIGHT) & young)]
         st = t.state[idx]
         want = idx[(st == INFLIGHT) | (st == ABANDONED)]
         flying = idx[st == INFLIGHT]
         t.n_inflight -= int(flying.size)
-        if flying.size:  # queued again: no longer outstanding where they were sent
+        if flying.size and evidence:
+            # Overtaken by what arrived (or long gone): lost on their paths, like RACK's.
+            self._note_loss(t, flying, now)
+        elif flying.size:  # queued again: no longer outstanding where they were sent
             self._release(t, flying)
         t.abandoned_elems -= int(t.counts[idx[st == ABANDONED]].sum())
         t.state[want] = LOST
@@ -506,17 +525,7 @@ class SenderCore:
         """In-flight chunks presumed lost: tolerate what the budget allows (never protected),
         else resend."""
         t.n_inflight -= int(idx.size)
-        peer = t.key.dst
-        paths = t.path[idx].astype(np.int64)
-        sizes = t.lengths[idx].astype(np.int64)
-        self.paths[peer].on_lost(paths, sizes, now)
-        for q in np.unique(paths):
-            sel = paths == q
-            # A reliable transfer must deliver every chunk: any loss of it is congestion.
-            prot = t.budget_elems == 0 or bool(t.protected[idx[sel]].any())
-            self.pacers[(peer, int(q))].controller.on_loss(
-                now=now, lost_bytes=int(sizes[sel].sum()), protected=prot
-            )
+        self._note_loss(t, idx, now)
         resend = idx
         if t.budget_elems > 0:
             cand = idx[~t.protected[idx]]
@@ -538,6 +547,21 @@ class SenderCore:
             self._sendable.add(t.key)
         else:
             self._maybe_fin(t, now)
+
+    def _note_loss(self, t: OutTransfer, idx: np.ndarray, now: float) -> None:
+        """In-flight chunks ``idx`` are lost: off their paths' outstanding bytes, into their
+        loss rates, and a congestion signal to their pacers."""
+        peer = t.key.dst
+        paths = t.path[idx].astype(np.int64)
+        sizes = t.lengths[idx].astype(np.int64)
+        self.paths[peer].on_lost(paths, sizes, now)
+        for q in np.unique(paths):
+            sel = paths == q
+            # A reliable transfer must deliver every chunk: any loss of it is congestion.
+            prot = t.budget_elems == 0 or bool(t.protected[idx[sel]].any())
+            self.pacers[(peer, int(q))].controller.on_loss(
+                now=now, lost_bytes=int(sizes[sel].sum()), protected=prot
+            )
 
     def _send_batch(
         self,

@@ -8,14 +8,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transport._kernels_batch import note_arrivals
-from transport.packet import Reason
+from transport.packet import Flags, Reason
 
 _OK, _DUP = int(Reason.OK), int(Reason.DUPLICATE)
 
 
 def reference(arena, lengths, rows, verdicts, paths, src_lo, now, ack_at, state):
-    """receiver.on_data's ACK bookkeeping as it was written in NumPy."""
-    new_since_ack, trigger, trigger_at, path, ack_due = state
+    """receiver.on_data's ACK bookkeeping as it was written in NumPy (plus the pass end)."""
+    new_since_ack, trigger, trigger_at, path, ack_due, pass_end = state
+    judged = rows[(verdicts == _OK) | (verdicts == _DUP)]
+    hdr = arena[judged, :48]
+    src = hdr[:, 20].astype(np.int64) | (hdr[:, 21].astype(np.int64) << 8)
+    r = src - src_lo
+    flagged = ((hdr[:, 4] & int(Flags.PASS_END)) != 0) & (r >= 0) & (r < pass_end.shape[0])
+    fresh = np.unique(r[flagged])
+    fresh = fresh[np.isinf(pass_end[fresh])]
+    pass_end[fresh] = now
     ok = rows[verdicts == _OK]
     hdr = arena[ok, :48]
     src = hdr[:, 20].astype(np.int64) | (hdr[:, 21].astype(np.int64) << 8)
@@ -33,7 +41,7 @@ def reference(arena, lengths, rows, verdicts, paths, src_lo, now, ack_at, state)
     r = src - src_lo
     valid = (r >= 0) & (r < new_since_ack.shape[0])
     ack_due[r[valid]] = np.minimum(ack_due[r[valid]], ack_at)
-    return int(ok.size), int(dup.size), int(lengths[ok].sum())
+    return int(ok.size), int(dup.size), int(lengths[ok].sum()), int(fresh.size)
 
 
 @settings(max_examples=150, derandomize=True, deadline=None,
@@ -46,21 +54,24 @@ def reference(arena, lengths, rows, verdicts, paths, src_lo, now, ack_at, state)
             st.sampled_from([_OK, _OK, _DUP, int(Reason.BAD_TAG), int(Reason.CHUNK_RANGE)]),
             st.integers(0, 1),  # path
             st.integers(48, 200),  # length
+            st.booleans(),  # flagged PASS_END
         ),
         min_size=0,
         max_size=40,
     ),
     due=st.lists(st.sampled_from([np.inf, 0.5, 2.0]), min_size=4, max_size=4),
+    ended=st.lists(st.sampled_from([np.inf, 0.25]), min_size=4, max_size=4),
     subset=st.booleans(),
 )
-def test_note_arrivals_equals_the_numpy_it_replaced(items, due, subset):
+def test_note_arrivals_equals_the_numpy_it_replaced(items, due, ended, subset):
     src_lo = 3
     n = len(items)
     arena = np.zeros((n + 2, 64), dtype=np.uint8)
     lengths = np.zeros(n + 2, dtype=np.int32)
     paths = np.zeros(n + 2, dtype=np.int64)
     verdicts = np.zeros(n, dtype=np.uint8)
-    for i, (r, chunk, v, q, ln) in enumerate(items):
+    for i, (r, chunk, v, q, ln, end) in enumerate(items):
+        arena[i, 4] = int(Flags.PASS_END | Flags.PROTECTED) if end else int(Flags.PROTECTED)
         arena[i, 20:22] = np.frombuffer((r + src_lo).to_bytes(2, "little"), np.uint8)
         arena[i, 24:28] = np.frombuffer(chunk.to_bytes(4, "little"), np.uint8)
         verdicts[i], paths[i], lengths[i] = v, q, ln
@@ -71,7 +82,7 @@ def test_note_arrivals_equals_the_numpy_it_replaced(items, due, subset):
 
     def state():
         return (np.zeros(4, np.int64), np.full(4, -1, np.int64), np.zeros(4), np.full(4, 9),
-                np.array(due, dtype=np.float64))  # fmt: skip
+                np.array(due, dtype=np.float64), np.array(ended, dtype=np.float64))  # fmt: skip
 
     want_state, got_state = state(), state()
     want = reference(arena, lengths, rows, verdicts, paths, src_lo, 1.0, 1.25, want_state)

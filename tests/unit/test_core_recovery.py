@@ -54,7 +54,7 @@ def test_no_gather_nack_before_the_peer_sends_its_gather(bound):
     assert early_nacks == []
 
 
-def _lose_first_transmission(chunk: int):
+def lose_first_transmission(chunk: int):
     """A Wire drop rule losing the first transmission of rank 0's reduce-phase ``chunk``, and
     the list of that chunk's transmissions so far (1, 2, ...)."""
     sent: list[int] = []
@@ -84,7 +84,7 @@ def test_a_chunk_lost_mid_batch_is_resent_after_the_reorder_window_not_the_rto()
     )
     rng = np.random.default_rng(8)
     datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
-    drop, sent = _lose_first_transmission(chunk=3)
+    drop, sent = lose_first_transmission(chunk=3)
     wire = Wire(eps, drop=drop)
     out = run_allreduce(eps, datas, wire)
     assert all(isinstance(out[r], AllReduceComplete) for r in range(world))
@@ -106,7 +106,7 @@ def test_a_reliable_transfer_s_loss_is_congestion_a_tolerated_one_is_not(bound, 
     )
     rng = np.random.default_rng(9)
     datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
-    drop, _ = _lose_first_transmission(chunk=2)
+    drop, _ = lose_first_transmission(chunk=2)
     out = run_allreduce(eps, datas, Wire(eps, drop=drop))
     assert all(isinstance(out[r], AllReduceComplete) for r in range(world))
     sender = eps[0].endpoint.sender
