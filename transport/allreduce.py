@@ -368,6 +368,10 @@ class TransposeAllReduce:
         """Commit a datagram received into :meth:`rx_buffer` (see :class:`Endpoint`)."""
         self.endpoint.commit_datagram(nbytes, path, now)
 
+    def note_drained(self, now: float) -> None:
+        """Every receive socket was just read empty (see :meth:`Endpoint.note_drained`)."""
+        self.endpoint.note_drained(now)
+
     def datagrams_to_send(
         self, now: float, *, process_input: bool = True
     ) -> list[Datagram | DatagramRun]:

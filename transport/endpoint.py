@@ -106,6 +106,7 @@ class Endpoint:
         self._pins: list[tuple[int, weakref.ref[np.ndarray]]] = []
         self._batch_key = np.zeros(4, dtype=np.int64)  # frame_rows' key of a batch's DATA
         self._rx_first = 0.0
+        self._drained_at: float | None = None  # a drain noted before its batch was processed
         self._now = 0.0
         self._control: list[Datagram] = []
         self.counters = self.receiver.counters  # one set of reject counters per endpoint
@@ -170,6 +171,17 @@ class Endpoint:
         self._rx_len[i : i + k] = lengths
         self._rx_path[i : i + k] = path
         self._committed(i, k, now)
+
+    def note_drained(self, now: float) -> None:
+        """The driver just read every receive socket empty: whatever had reached this host
+        before ``now`` has been committed. Drivers whose input can queue unread (sockets) say so
+        after each read that emptied them all; the receiver then trusts a sender's pass end
+        only once a drain followed it (see :mod:`transport.receiver`). Drivers that never call
+        this deliver everything at once (in-memory wires)."""
+        if self._rx_n == self._rx_base:
+            self.receiver.note_drained(now)
+        else:  # once what was read is processed (it may wait for rx_coalesce_s)
+            self._drained_at = now
 
     def _committed(self, first: int, k: int, now: float) -> None:
         """Rows ``first .. first + k`` hold new datagrams: process the batch once it is full."""
@@ -313,6 +325,9 @@ class Endpoint:
         if self._process(arena, self._rx_len[b:e], self._rx_path[b:e], now, pin):
             self._pins.append((e, weakref.ref(arena)))
         del arena
+        if self._drained_at is not None:
+            self.receiver.note_drained(self._drained_at)
+            self._drained_at = None
         # The next batch starts above every batch the receiver still holds in place (it
         # drops a held batch when its collective starts or the data expires), else at the top.
         self._pins = [(end, ref) for end, ref in self._pins if ref() is not None]

@@ -20,13 +20,18 @@ Completion, checked after each batch and on timers, in this order:
    within the bound with every protected chunk; hard: degrade or fail). While it says CONTINUE
    after the soft deadline, the chunks it still needs are NACKed to their senders.
 
-A sender's first pass ends with a chunk flagged ``PASS_END``. ``reorder_window_s`` after it
-came, what that sender still lacks is lost, not on its way: a gap the bound allows (none of it
-protected, the manifest known) settles the sender as its FIN would; any other gap is NACKed
-at once. Without this a tail loss waited for the sender's loss detection and FIN, or for the
-soft deadline (which most lossy completions did), and a reliable phase's for the NACK deadline.
-A NACK names the newest chunk that came from its sender, so the sender can tell a chunk sent
-before it (lost) from one sent after (maybe still on its way).
+A sender's first pass ends with a chunk flagged ``PASS_END``. Once it came, the driver has
+read its sockets empty since (:meth:`ReceiverCore.note_drained`; a driver that never says so
+delivers everything at once), and ``reorder_window_s`` has passed, what that sender still
+lacks is lost, not on its way: a gap the bound allows (none of it protected, the manifest
+known) settles the sender as its FIN would; any other gap is NACKed at once. (The drain
+matters: the pass end may be read from one path's socket while the other's still holds
+hundreds of that sender's packets — a burst of 100 MB on a loaded host — and NACKing those
+resent whole shards that were merely unread.) Without this a tail loss waited for the sender's
+loss detection and FIN, or for the soft deadline (which most lossy completions did), and a
+reliable phase's for the NACK deadline. A NACK sent once a drain followed the sender's newest
+arrival names that chunk, so the sender can tell a chunk sent before it (lost) from one sent
+after (maybe still on its way).
 
 A finished transfer is remembered for ``linger_s`` so late DATA is answered with STOP instead of
 being reduced twice. DATA for a transfer this rank has not started yet (a faster peer) is held,
@@ -199,6 +204,9 @@ class ReceiverCore:
         self._stop_sent: dict[tuple[InKey, int], float] = {}
         self._ack_pending: dict[InKey, InTransfer] = {}
         self._soft_seen = (loss.soft_deadline(False), loss.soft_deadline(True))
+        # When the driver last read its sockets empty; inf: it never queues (see note_drained).
+        self.drained_at = np.inf
+        self._pass_ended: dict[InKey, InTransfer] = {}  # a pass ended, gaps maybe left
 
     # -- set-up ----------------------------------------------------------------------------
     def expect(
@@ -292,7 +300,8 @@ class ReceiverCore:
             return
         for row in (t.new_since_ack >= self.config.ack_every).nonzero()[0].tolist():
             self._ack(t, row, now)
-        if n_end:  # a sender's first pass ended: look at its gaps after the reorder window
+        if n_end:  # a sender's first pass ended: look at its gaps (see note_drained)
+            self._pass_ended[t.key] = t
             self._refresh_check(t)
         if t.fin.any():
             self._check(t, now)
@@ -422,6 +431,16 @@ class ReceiverCore:
             best = min(best, next(iter(self.tombstones.values())) + self.config.linger_s)
         return None if best == np.inf else float(best)
 
+    def note_drained(self, now: float) -> None:
+        """The driver read its sockets empty at ``now`` (everything that had arrived is
+        processed): pass ends seen before it can be trusted (see the theory of operation)."""
+        self.drained_at = now
+        for key, t in list(self._pass_ended.items()):
+            if t.done:
+                del self._pass_ended[key]
+            else:
+                self._refresh_check(t)
+
     def handle_timer(self, now: float) -> None:
         """Deadlines and policy decisions; forget old tombstones."""
         for t in list(self.transfers.values()):
@@ -458,6 +477,7 @@ class ReceiverCore:
     def abort(self, key: InKey) -> None:
         """Forget a transfer without completing it (its collective failed)."""
         t = self.transfers.pop(key, None)
+        self._pass_ended.pop(key, None)
         if t is not None:
             t.done = True
 
@@ -499,11 +519,12 @@ class ReceiverCore:
             return
         soft = t.started + self.loss.nack_deadline(t.gather, t.elems)
         t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval(t)))
-        ended = t.pass_end[t.rows]
-        if np.isfinite(ended).any():
+        if t.key in self._pass_ended:
             # Senders whose first pass ended with chunks still missing: their gaps are loss
-            # from the reorder window on (see the module's theory of operation).
+            # once a drain followed (see the module's theory of operation).
+            ended = t.pass_end[t.rows]
             gap = np.isfinite(ended) & ~t.fin[t.rows] & (t.received[t.rows] == 0).any(axis=1)
+            gap &= self.drained_at >= np.maximum(ended, t.trigger_at[t.rows])
             if gap.any():
                 when = float(ended[gap].min()) + self.config.reorder_window_s
                 t.check_at = min(t.check_at, max(when, t.nack_at + self._nack_interval(t)))
@@ -549,8 +570,9 @@ class ReceiverCore:
         got = t.received[rows] != 0
         # A sender is settled when everything arrived, or it sent FIN and the rest arrived.
         complete_rows = got.all(axis=1)
-        lacking = (t.pass_end[rows] + self.config.reorder_window_s <= now) & ~complete_rows
-        lacking &= ~t.fin[rows]
+        ended = t.pass_end[rows]
+        lacking = (ended + self.config.reorder_window_s <= now) & ~complete_rows & ~t.fin[rows]
+        lacking &= self.drained_at >= np.maximum(ended, t.trigger_at[rows])
         gaps = self._settle_passes(t, got, lacking.nonzero()[0], budget) if lacking.any() else None
         settled_rows = complete_rows | (t.fin[rows] & (got | t.abandoned[rows]).all(axis=1))
         if t.fin[rows].any() and settled_rows.all():
@@ -590,10 +612,11 @@ class ReceiverCore:
     def _settle_passes(
         self, t: InTransfer, got: np.ndarray, ended: np.ndarray, budget: int
     ) -> np.ndarray:
-        """Senders (indices into ``t.rows``) whose first pass ended a reorder window ago with
-        chunks missing: a gap the bound allows — none of it protected, the manifest known,
-        within ``budget`` elements — settles the sender as its FIN would (the gap given up);
-        the others' gaps are returned as ``(sender index, chunk)`` rows to NACK."""
+        """Senders (indices into ``t.rows``) whose first pass ended a reorder window ago, read
+        to the end since, with chunks missing: a gap the bound allows — none of it protected,
+        the manifest known, within ``budget`` elements — settles the sender as its FIN would
+        (the gap given up); the others' gaps are returned as ``(sender index, chunk)`` rows to
+        NACK."""
         need: list[np.ndarray] = []
         for k in ended.tolist():
             r = int(t.rows[k])
@@ -610,6 +633,15 @@ class ReceiverCore:
                 chunks = lost.nonzero()[0]
                 need.append(np.stack((np.full(chunks.shape[0], k), chunks), axis=1))
         return np.concatenate(need) if need else np.empty((0, 2), dtype=np.int64)
+
+    def _read_past(self, t: InTransfer, r: int, now: float) -> bool:
+        """Sender row ``r``'s newest arrival is a reorder window old and a drain followed it."""
+        at = t.trigger_at[r]
+        return bool(
+            t.received[r].any()
+            and self.drained_at >= at
+            and now >= at + self.config.reorder_window_s
+        )
 
     def _nack(self, t: InTransfer, need: np.ndarray, now: float) -> None:
         """Ask senders for the chunks the policy still needs (at most once per interval)."""
@@ -640,9 +672,10 @@ class ReceiverCore:
                 chunk=0,
                 count=t.spec.n_chunks,
                 payload=np.packbits(bits, bitorder="little").tobytes(),
-                # The newest chunk from this sender, plus one (0: none yet): a chunk it sent
-                # before that one's last transmission is lost, not on its way.
-                aux=int(t.trigger[r]) + 1 if t.received[r].any() else 0,
+                # The newest chunk from this sender, plus one, once the sockets were read empty
+                # after it came and a reorder window passed (else 0): a chunk the sender sent
+                # before that one's last transmission is then lost, not unread or on its way.
+                aux=int(t.trigger[r]) + 1 if self._read_past(t, r, now) else 0,
             )
             self._out.append(Datagram(data, src, int(t.path[r]), self.tos))
 
@@ -690,6 +723,7 @@ class ReceiverCore:
     def _finish(self, t: InTransfer, now: float) -> None:
         t.done = True
         self.transfers.pop(t.key, None)
+        self._pass_ended.pop(t.key, None)
         self._ack_pending.pop(t.key, None)
         self.tombstones[t.key] = now
         for s in t.senders:

@@ -331,10 +331,14 @@ class UdpPaths:
         r = self._routes[(peer, path, tos)] = (tr, self._socks[tr], dest, int(fallback), name)
         return r
 
-    def poll(self) -> None:
-        """Receive whatever is waiting on every receive socket now (without waiting)."""
+    def poll(self) -> bool:
+        """Receive whatever is waiting on every receive socket now (without waiting). True when
+        every socket was drained (each gave fewer than ``READ_BURST`` datagrams): what had
+        arrived before the call has all been read."""
+        drained = True
         for path, sock in enumerate(self._rx_socks):
-            self._read(sock, path)
+            drained &= self._read(sock, path) < READ_BURST
+        return drained
 
     def close(self) -> None:
         """Close every socket (the send sockets' fds are released once the loop runs their close

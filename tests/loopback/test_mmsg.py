@@ -282,3 +282,38 @@ def test_a_control_datagram_goes_out_by_the_socket_or_queued_by_the_transport():
         assert c.tx_errors == 1
     finally:
         peer.close()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_poll_says_whether_it_read_every_socket_empty(batched):
+    """poll() reads at most READ_BURST datagrams per socket; it answers True only when every
+    socket gave fewer (what had arrived is all read), which the receiver needs before it takes
+    a sender's pass end as the end of its data (transport.receiver)."""
+    import asyncio
+
+    got: list[int] = []
+
+    class Arena:
+        """The receive side of an endpoint: an arena whose rows are committed and freed."""
+
+        rx_arena = np.zeros((udp.READ_BURST * 2, 256), dtype=np.uint8)
+        rx_free = 0
+
+        def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
+            got.extend(lengths.tolist())
+
+    async def run() -> list[bool]:
+        arena = Arena() if batched else None
+        u = udp.UdpPaths(lambda: memoryview(bytearray(256)), lambda n, p, t: got.append(n),
+                         lambda: None, bufsize=1 << 20, arena=arena)  # fmt: skip
+        try:
+            addr = (await u.open([("127.0.0.1", 0), ("127.0.0.2", 0)]))[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx:
+                for _ in range(udp.READ_BURST + 5):
+                    tx.sendto(b"x" * 100, addr)
+            return [u.poll(), u.poll(), u.poll()]
+        finally:
+            await u.wait_closed()
+
+    assert asyncio.run(run()) == [False, True, True]
+    assert len(got) == udp.READ_BURST + 5

@@ -123,3 +123,38 @@ def test_a_nack_naming_a_newer_arrival_resends_what_it_overtook():
     assert t.state[4] == INFLIGHT  # may be on its way: no duplicate
     ep.sender.on_nack(key, 0, bits, 0.0031)  # no evidence: the smoothed RTT rule
     assert t.state[4] == INFLIGHT
+
+
+@pytest.mark.parametrize("drains", [False, True])
+def test_a_pass_end_counts_only_once_the_driver_has_read_past_it(drains):
+    """A socket driver may read a sender's pass end from one path while the other path's
+    socket still holds that sender's earlier packets, unread: its gaps are not loss until the
+    driver says it read every socket empty (note_drained) after the pass end came."""
+    world, n = 2, 2000
+    eps = make(world, **_SLOW, loss=LossConfig(loss_bound=0.0, soft_deadline_max_s=0.5))
+    rng = np.random.default_rng(6)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    lost, _ = _lose_fins_and_first(chunk=14)
+    nacks: list[float] = []
+
+    def drop(src, dg, q):
+        if src == 1 and kind_of(dg) == Kind.NACK:
+            nacks.append(wire.now)
+        return (src == 1 and kind_of(dg) == Kind.ACK) or lost(src, dg, q)
+
+    eps[1].note_drained(0.0)  # a driver that tracks drains: none since the start...
+    if drains:  # ...or one after every datagram it reads
+        receive = eps[1].receive_datagram
+
+        def read_and_drain(data, path, now):
+            receive(data, path, now)
+            eps[1].note_drained(now)
+
+        eps[1].receive_datagram = read_and_drain
+    wire = Wire(eps, drop=drop)
+    out = run_allreduce(eps, datas, wire)
+    assert all(isinstance(out[r], AllReduceComplete) for r in range(world))
+    if drains:
+        assert nacks and nacks[0] < 0.01 and wire.now < 0.05
+    else:  # the sender's timeout (0.25 s) recovers it, no NACK before
+        assert all(t > 0.2 for t in nacks) and wire.now > 0.2
