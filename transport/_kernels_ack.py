@@ -163,11 +163,13 @@ def timed_out(
     path: np.ndarray,
     rtos: np.ndarray,
     backoff: float,
+    since: float,
     now: float,
     out: np.ndarray,
 ) -> int:
-    """The INFLIGHT chunks sent at least ``rtos[path] * backoff`` before ``now``, in index
-    order, into ``out`` (room for every chunk in flight); returns how many."""
+    """The INFLIGHT chunks whose timeout ``rtos[path] * backoff`` has run since the later of
+    their send and ``since`` (when the clock restarted for the whole transfer), in index order,
+    into ``out`` (room for every chunk in flight); returns how many."""
     n = 0
     for c in range(state.shape[0]):
         if state[c] != INFLIGHT:
@@ -175,7 +177,7 @@ def timed_out(
         p = path[c]
         if p < 0 or p >= rtos.shape[0]:
             raise ValueError("timed_out: a chunk's path is outside the RTO table")
-        if sent_at[c] + rtos[p] * backoff <= now:
+        if max(sent_at[c], since) + rtos[p] * backoff <= now:
             if n >= out.shape[0]:
                 raise ValueError("timed_out: more chunks in flight than out holds")
             out[n] = c

@@ -445,6 +445,9 @@ class Endpoint:
         return OutKey(f["step"], f["bucket"], f["shard"], f["phase"], f["src"])
 
     def _on_ack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+        if f["flags"] & Flags.HELD:
+            self.sender.on_held(self._out_key(f))
+            return
         bits = self._bits(raw, f["count"])
         ack_delay = f["norm"]  # the receiver's hold time travels in the norm field
         self.sender.on_ack(

@@ -181,6 +181,10 @@ class OutTransfer:
         self.manifest_sent_at = -np.inf
         self.fin_sent_at = -np.inf
         self.rto_backoff = 1.0
+        # The receiver holds our data for a transfer it has not started (a HELD ACK): no
+        # timeouts until it acknowledges; then the timeout clock restarts (rto_since).
+        self.held = False
+        self.rto_since = -np.inf
         self.done = False
         self.gather = gather
 

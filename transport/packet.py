@@ -107,6 +107,11 @@ class Flags(IntFlag):
     then index). Once it has come, a gap the receiver still has is loss, not data on its way:
     the receiver settles or NACKs that sender after the reorder window instead of waiting for
     the sender's FIN or the soft deadline.
+
+    ``HELD`` (on an ACK, with no bitmap): the receiver holds the sender's data for a transfer it
+    has not started yet. Its ACKs come once it starts; until then the sender's retransmission
+    timeout is off for that transfer, instead of resending whole shards to a peer that is
+    merely late to the collective.
     """
 
     NONE = 0
@@ -116,6 +121,7 @@ class Flags(IntFlag):
     ROTATED = 8
     DROPPABLE = 16
     PASS_END = 32
+    HELD = 64
 
 
 class Phase(IntEnum):

@@ -55,6 +55,7 @@ from transport.errors import PeerTimeout
 from transport.events import Datagram, Event, LossReport, PeerTimedOut, TransferComplete
 from transport.packet import (
     N_REASONS,
+    Flags,
     Kind,
     Phase,
     Reason,
@@ -202,6 +203,7 @@ class ReceiverCore:
         self.early_dropped = 0
         self._out: list[Datagram] = []
         self._stop_sent: dict[tuple[InKey, int], float] = {}
+        self._held_sent: dict[tuple[InKey, int], float] = {}  # HELD ACKs of early data
         self._ack_pending: dict[InKey, InTransfer] = {}
         self._soft_seen = (loss.soft_deadline(False), loss.soft_deadline(True))
         # When the driver last read its sockets empty; inf: it never queues (see note_drained).
@@ -234,6 +236,8 @@ class ReceiverCore:
         self.transfers[key] = t
         self._refresh_check(t)
         self._early_at.pop(key, None)
+        for s in senders:
+            self._held_sent.pop((key, s), None)
         for h in self.early.pop(key, []):
             self.early_bytes -= h.nbytes
             if not t.done:  # the kernel checks every held packet (tag included) as it lands
@@ -392,6 +396,14 @@ class ReceiverCore:
         self.early.setdefault(key, []).append(held)
         self._early_at.setdefault(key, now)
         self.early_bytes += held.nbytes
+        # Tell each sender its data is held (Flags.HELD), at most once per min_rto_s: without
+        # it, a sender whose peer starts the collective late resent whole shards by timeout.
+        for src in np.unique(srcs[: rows.shape[0]]).tolist():
+            last = self._held_sent.get((key, src), -np.inf)
+            if now - last >= self.config.min_rto_s:
+                self._held_sent[(key, src)] = now
+                ack = self.encode(Kind.ACK, key, src, flags=int(Flags.HELD))
+                self._out.append(Datagram(ack, src, int(paths[rows[0]]), self.tos))
         return pin
 
     @staticmethod
@@ -469,6 +481,8 @@ class ReceiverCore:
             if now < at + limit:
                 return
             del self._early_at[key]
+            for s in range(self.world):
+                self._held_sent.pop((key, s), None)
             for h in self.early.pop(key, []):
                 self.early_bytes -= h.nbytes
                 self.early_expired += int(h.rows.shape[0])
@@ -615,23 +629,24 @@ class ReceiverCore:
         """Senders (indices into ``t.rows``) whose first pass ended a reorder window ago, read
         to the end since, with chunks missing: a gap the bound allows — none of it protected,
         the manifest known, within ``budget`` elements — settles the sender as its FIN would
-        (the gap given up); the others' gaps are returned as ``(sender index, chunk)`` rows to
-        NACK."""
+        (the gap given up). Otherwise the chunks that keep it from settling are returned as
+        ``(sender index, chunk)`` rows to NACK: the protected ones, or every missing one when
+        the rest exceeds the budget or the manifest is unknown; what the bound would allow
+        once those came is not asked for (it settles at a later check)."""
         need: list[np.ndarray] = []
         for k in ended.tolist():
             r = int(t.rows[k])
             lost = ~got[k]
-            if (
-                budget > 0
-                and t.manifest_known[r]
-                and not (lost & t.protected[r]).any()
-                and int(t.counts[lost].sum()) <= budget
-            ):
-                t.fin[r] = True
-                t.abandoned[r] = lost
-            else:
-                chunks = lost.nonzero()[0]
-                need.append(np.stack((np.full(chunks.shape[0], k), chunks), axis=1))
+            if budget > 0 and t.manifest_known[r]:
+                must = lost & t.protected[r]
+                if int(t.counts[lost & ~must].sum()) <= budget:
+                    if not must.any():
+                        t.fin[r] = True
+                        t.abandoned[r] = lost
+                        continue
+                    lost = must
+            chunks = lost.nonzero()[0]
+            need.append(np.stack((np.full(chunks.shape[0], k), chunks), axis=1))
         return np.concatenate(need) if need else np.empty((0, 2), dtype=np.int64)
 
     def _read_past(self, t: InTransfer, r: int, now: float) -> bool:

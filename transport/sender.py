@@ -214,6 +214,8 @@ class SenderCore:
         if span is None:
             return
         t, _ = span
+        if t.held:  # the receiver started: its ACKs come now, the timeouts run from here
+            t.held, t.rto_since = False, now
         if manifest:
             t.manifest_acked = True
         # One compiled pass (transport._kernels_ack) finds the newly acknowledged chunks (bit set,
@@ -268,6 +270,14 @@ class SenderCore:
             self._retire(t)
         else:
             self._maybe_fin(t, now)
+
+    def on_held(self, key: OutKey) -> None:
+        """The receiver holds our data for ``key``, a transfer it has not started yet: no
+        retransmission timeout until it acknowledges (see ``Flags.HELD``). Whatever it then
+        lacks it NACKs (its pass-end check or deadline), and RACK finds the rest."""
+        t = self.transfers.get(key)
+        if t is not None and not t.done:
+            t.held = True
 
     def on_nack(
         self, key: OutKey, base: int, bits: np.ndarray, now: float, newest: int = -1
@@ -492,10 +502,10 @@ class SenderCore:
     def _timed_out(self, t: OutTransfer, now: float, path_rtos: np.ndarray) -> np.ndarray:
         """In-flight chunks older than their own path's retransmission timeout (``path_rtos``:
         :meth:`_path_rtos` of the transfer's peer)."""
-        if not t.n_inflight:
+        if not t.n_inflight or t.held:
             return np.empty(0, dtype=np.int64)
         out = np.empty(t.n_chunks, dtype=np.int64)
-        n = timed_out(t.state, t.sent_at, t.path, path_rtos, t.rto_backoff, now, out)
+        n = timed_out(t.state, t.sent_at, t.path, path_rtos, t.rto_backoff, t.rto_since, now, out)
         return out[:n]
 
     def _path_rtos(self, peer: int) -> np.ndarray:

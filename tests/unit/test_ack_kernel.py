@@ -155,18 +155,21 @@ def test_apply_ack_rejects_bad_arguments() -> None:
     ),
     rtos=st.lists(st.floats(0.001, 0.03), min_size=3, max_size=3),
     backoff=st.sampled_from([1.0, 2.0, 64.0]),
+    since=st.sampled_from([-np.inf, 0.0, 0.02, 0.06]),
     now=st.floats(0.0, 0.1),
 )
-def test_timed_out_equals_the_numpy_scan(chunks, rtos, backoff, now) -> None:
-    """The sender's retransmission-timeout scan, compiled, against the NumPy it replaced."""
+def test_timed_out_equals_the_numpy_scan(chunks, rtos, backoff, since, now) -> None:
+    """The sender's retransmission-timeout scan, compiled, against the NumPy it replaced (the
+    clock of every chunk restarted at ``since``)."""
     state = np.array([c[0] for c in chunks], dtype=np.uint8)
     sent_at = np.array([c[1] for c in chunks], dtype=np.float64)
     path = np.array([c[2] for c in chunks], dtype=np.int16)
     rto = np.array(rtos)
     inflight = np.flatnonzero(state == outgoing.INFLIGHT)
-    want = inflight[sent_at[inflight] + (rto * backoff)[path[inflight]] <= now]
+    start = np.maximum(sent_at[inflight], since)
+    want = inflight[start + (rto * backoff)[path[inflight]] <= now]
     out = np.full(len(chunks), -1, dtype=np.int64)
-    n = _kernels_ack.timed_out(state, sent_at, path, rto, backoff, now, out)
+    n = _kernels_ack.timed_out(state, sent_at, path, rto, backoff, since, now, out)
     assert out[:n].tolist() == want.tolist()
 
 
@@ -174,7 +177,7 @@ def test_timed_out_refuses_a_path_outside_the_rto_table() -> None:
     state = np.array([outgoing.INFLIGHT], dtype=np.uint8)
     out, path = np.empty(1, dtype=np.int64), np.array([2], np.int16)
     with pytest.raises(ValueError, match="outside the RTO table"):
-        _kernels_ack.timed_out(state, np.zeros(1), path, np.ones(2), 1.0, 0.0, out)
+        _kernels_ack.timed_out(state, np.zeros(1), path, np.ones(2), 1.0, -np.inf, 0.0, out)
 
 
 @SETTINGS

@@ -158,3 +158,35 @@ def test_a_pass_end_counts_only_once_the_driver_has_read_past_it(drains):
         assert nacks and nacks[0] < 0.01 and wire.now < 0.05
     else:  # the sender's timeout (0.25 s) recovers it, no NACK before
         assert all(t > 0.2 for t in nacks) and wire.now > 0.2
+
+
+def test_a_peer_late_to_the_collective_holds_the_data_and_nothing_is_resent():
+    """Rank 1 starts 0.2 s after rank 0, whose data it holds meanwhile: its HELD ACKs keep rank
+    0's retransmission timeout (10 ms here) from resending the shard again and again."""
+    world, n = 2, 4000
+    eps = make(world, min_rto_s=0.01, loss=LossConfig(loss_bound=0.0, hard_deadline_s=5.0))
+    rng = np.random.default_rng(11)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    held: list[float] = []
+    sent: list[int] = []  # rank 0's reduce-phase chunks, each time one goes out
+
+    def watch(src, dg, q):
+        if src == 1 and kind_of(dg) == Kind.ACK and header_of(dg)["flags"] & Flags.HELD:
+            held.append(wire.now)
+        if src == 0 and kind_of(dg) == Kind.DATA and header_of(dg)["phase"] == Phase.REDUCE:
+            sent.append(int(header_of(dg)["chunk"]))
+        return False
+
+    wire = Wire(eps, drop=watch)
+    eps[0].start(1, 0, datas[0], layer_position=0.5, now=0.0)
+    wire.run(lambda: wire.now >= 0.2, max_time=1.0)
+    eps[1].start(1, 0, datas[1], layer_position=0.5, now=wire.now)
+
+    def done():
+        return sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == world
+
+    wire.run(done, max_time=5.0)
+    for _, _, e in wire.events:
+        np.testing.assert_allclose(e.result, datas[0] + datas[1], rtol=1e-6, atol=1e-6)
+    assert held and held[0] < 0.01  # the first early datagrams were answered at once
+    assert sorted(sent) == list(range(32))  # each chunk of the shard went out once
