@@ -173,11 +173,12 @@ class Endpoint:
         self._committed(i, k, now)
 
     def note_drained(self, now: float) -> None:
-        """The driver just read every receive socket empty: whatever had reached this host
-        before ``now`` has been committed. Drivers whose input can queue unread (sockets) say so
-        after each read that emptied them all; the receiver then trusts a sender's pass end
-        only once a drain followed it (see :mod:`transport.receiver`). Drivers that never call
-        this deliver everything at once (in-memory wires)."""
+        """The driver read every receive socket empty in a pass that began at ``now``: whatever
+        had reached this host before ``now`` has been committed. Drivers whose input can queue
+        unread (sockets) say so after each pass that emptied them all; the receiver then trusts
+        a sender's pass end only once such a pass began after it came (see
+        :mod:`transport.receiver`). Drivers that never call this deliver everything at once
+        (in-memory wires)."""
         if self._rx_n == self._rx_base:
             self.receiver.note_drained(now)
         else:  # once what was read is processed (it may wait for rx_coalesce_s)

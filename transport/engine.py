@@ -388,10 +388,13 @@ class Engine:
             self._udp.send(core.datagrams_to_send(time.monotonic(), process_input=False))
         # Take in what has arrived first: acknowledgements free the window and are answered in
         # this same pass, so a rank sending at full speed still reads (and ACKs) promptly.
+        # A drain counts from the poll's start: a datagram that reached a socket after that
+        # socket was read (while another was) is not behind it.
+        began = time.monotonic()
         drained = self._udp.poll()
         now = time.monotonic()
         if drained:
-            core.note_drained(now)
+            core.note_drained(began)
         self._udp.send(core.datagrams_to_send(now))
         self._pending.deliver(core)
         self._arm(core.get_timer(), now)
