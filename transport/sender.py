@@ -284,10 +284,11 @@ class SenderCore:
     ) -> None:
         """The receiver needs these chunks now: queue them for retransmission, even abandoned.
 
-        ``newest`` is the newest chunk that had reached the receiver when it asked (-1: none,
-        or an old receiver). A chunk this sender last sent before that chunk's last
-        transmission should have arrived: it is lost. One sent after it may still be on its
-        way, if it left less than the path's smallest RTT (at least the reorder window) ago.
+        ``newest`` is the newest chunk that had reached the receiver when it asked (-1: the
+        receiver did not say: nothing came yet, or its sockets were not read to the end since).
+        A chunk this sender last sent before that chunk's last transmission should have
+        arrived: it is lost. One sent after it may still be on its way, if it left less than
+        the path's smallest RTT (at least the reorder window) ago.
         Without ``newest`` a chunk sent less than a smoothed RTT ago counts as on its way —
         and on a loaded host the smoothed RTT is mostly scheduling delay, so a resend that was
         lost too waited for the retransmission timeout while the receiver NACKed in vain.
