@@ -447,11 +447,8 @@ class ReceiverCore:
         """The driver read its sockets empty at ``now`` (everything that had arrived is
         processed): pass ends seen before it can be trusted (see the theory of operation)."""
         self.drained_at = now
-        for key, t in list(self._pass_ended.items()):
-            if t.done:
-                del self._pass_ended[key]
-            else:
-                self._refresh_check(t)
+        for t in self._pass_ended.values():  # live ones: _finish and abort take theirs out
+            self._refresh_check(t)
 
     def handle_timer(self, now: float) -> None:
         """Deadlines and policy decisions; forget old tombstones."""
@@ -534,14 +531,18 @@ class ReceiverCore:
         soft = t.started + self.loss.nack_deadline(t.gather, t.elems)
         t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval(t)))
         if t.key in self._pass_ended:
-            # Senders whose first pass ended with chunks still missing: their gaps are loss
-            # once a drain followed (see the module's theory of operation).
-            ended = t.pass_end[t.rows]
-            gap = np.isfinite(ended) & ~t.fin[t.rows] & (t.received[t.rows] == 0).any(axis=1)
-            gap &= self.drained_at >= np.maximum(ended, t.trigger_at[t.rows])
+            gap = self._read_to_pass_end(t, (t.received[t.rows] != 0).all(axis=1))
             if gap.any():
-                when = float(ended[gap].min()) + self.config.reorder_window_s
+                when = float(t.pass_end[t.rows][gap].min()) + self.config.reorder_window_s
                 t.check_at = min(t.check_at, max(when, t.nack_at + self._nack_interval(t)))
+
+    def _read_to_pass_end(self, t: InTransfer, complete_rows: np.ndarray) -> np.ndarray:
+        """Per sender of ``t`` (over ``t.rows``): its first pass ended, a drain began after
+        that and after its newest arrival, and it still lacks chunks (not complete, no FIN) —
+        a gap that is loss once the reorder window has passed (the theory of operation)."""
+        ended = t.pass_end[t.rows]
+        ready = self.drained_at >= np.maximum(ended, t.trigger_at[t.rows])
+        return ready & np.isfinite(ended) & ~complete_rows & ~t.fin[t.rows]
 
     def _nack_interval(self, t: InTransfer) -> float:
         base = max(self.config.min_rto_s, 4 * self.config.ack_delay_s)
@@ -584,9 +585,8 @@ class ReceiverCore:
         got = t.received[rows] != 0
         # A sender is settled when everything arrived, or it sent FIN and the rest arrived.
         complete_rows = got.all(axis=1)
-        ended = t.pass_end[rows]
-        lacking = (ended + self.config.reorder_window_s <= now) & ~complete_rows & ~t.fin[rows]
-        lacking &= self.drained_at >= np.maximum(ended, t.trigger_at[rows])
+        lacking = self._read_to_pass_end(t, complete_rows)
+        lacking &= t.pass_end[rows] + self.config.reorder_window_s <= now
         gaps = self._settle_passes(t, got, lacking.nonzero()[0], budget) if lacking.any() else None
         settled_rows = complete_rows | (t.fin[rows] & (got | t.abandoned[rows]).all(axis=1))
         if t.fin[rows].any() and settled_rows.all():

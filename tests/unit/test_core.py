@@ -26,6 +26,12 @@ def make(world: int, **cfg) -> list[TransposeAllReduce]:
     return [TransposeAllReduce(r, world, config) for r in range(world)]
 
 
+def random_datas(world: int, n: int, seed: int) -> list[np.ndarray]:
+    """One float32 buffer of ``n`` normal values per rank, seeded."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+
+
 def run_allreduce(eps, datas, wire: Wire, *, step=1, bucket=0, dtype=None, max_time=30.0):
     for r, ep in enumerate(eps):
         ep.start(step, bucket, datas[r], layer_position=0.5, now=wire.now, dtype=dtype)

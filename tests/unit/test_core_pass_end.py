@@ -10,7 +10,7 @@ import pytest
 
 from scheduling.loss import LossConfig
 from scheduling.priority import PriorityConfig
-from tests.unit.test_core import header_of, kind_of, make, run_allreduce
+from tests.unit.test_core import header_of, kind_of, make, random_datas, run_allreduce
 from tests.unit.test_core_recovery import lose_first_transmission
 from tests.unit.wire import Wire
 from transport.config import TransportConfig
@@ -58,8 +58,7 @@ def test_a_tolerable_gap_settles_when_the_pass_ends_without_fin_or_deadline():
     sender, yet completes a reorder window after rank 0's pass ended, short of that chunk."""
     world, n = 2, 2000
     eps = make(world, **_SLOW, loss=LossConfig(loss_bound=0.3, soft_deadline_max_s=0.5))
-    rng = np.random.default_rng(5)
-    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    datas = random_datas(world, n, 5)
     drop, _ = _lose_fins_and_first(chunk=3)
     wire = Wire(eps, drop=drop)
     out = run_allreduce(eps, datas, wire)
@@ -74,8 +73,7 @@ def test_a_reliable_tail_gap_is_nacked_when_the_pass_ends():
     gap. It NACKs a reorder window after the pass ended, not at the NACK deadline (0.5 s)."""
     world, n = 2, 2000
     eps = make(world, **_SLOW, loss=LossConfig(loss_bound=0.0, soft_deadline_max_s=0.5))
-    rng = np.random.default_rng(6)
-    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    datas = random_datas(world, n, 6)
     lost, sent = _lose_fins_and_first(chunk=14)  # second to last of the shard's 16
     nacks: list[tuple[float, int]] = []
 
@@ -132,8 +130,7 @@ def test_a_pass_end_counts_only_once_the_driver_has_read_past_it(drains):
     driver says it read every socket empty (note_drained) after the pass end came."""
     world, n = 2, 2000
     eps = make(world, **_SLOW, loss=LossConfig(loss_bound=0.0, soft_deadline_max_s=0.5))
-    rng = np.random.default_rng(6)
-    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    datas = random_datas(world, n, 6)
     lost, _ = _lose_fins_and_first(chunk=14)
     nacks: list[float] = []
 
@@ -165,8 +162,7 @@ def test_a_peer_late_to_the_collective_holds_the_data_and_nothing_is_resent():
     0's retransmission timeout (10 ms here) from resending the shard again and again."""
     world, n = 2, 4000
     eps = make(world, min_rto_s=0.01, loss=LossConfig(loss_bound=0.0, hard_deadline_s=5.0))
-    rng = np.random.default_rng(11)
-    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    datas = random_datas(world, n, 11)
     held: list[float] = []
     sent: list[int] = []  # rank 0's reduce-phase chunks, each time one goes out
 

@@ -8,7 +8,7 @@ import pytest
 
 from scheduling.loss import LossConfig
 from scheduling.priority import PriorityConfig
-from tests.unit.test_core import header_of, kind_of, make, run_allreduce
+from tests.unit.test_core import header_of, kind_of, make, random_datas, run_allreduce
 from tests.unit.wire import Wire
 from transport.events import AllReduceComplete
 from transport.packet import Kind, Phase
@@ -22,8 +22,7 @@ def test_no_gather_nack_before_the_peer_sends_its_gather(bound):
     made it NACK the whole shard every few milliseconds while the peer was still reducing.)"""
     world, n = 2, 20000
     eps = make(world, loss=LossConfig(loss_bound=bound, hard_deadline_s=5.0))
-    rng = np.random.default_rng(3)
-    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    datas = random_datas(world, n, 3)
     log: list[tuple[float, int, int, int]] = []  # (time, src, kind, phase) of what was sent
     slow = {"on": False}
 
@@ -82,8 +81,7 @@ def test_a_chunk_lost_mid_batch_is_resent_after_the_reorder_window_not_the_rto()
         priority=PriorityConfig(policy="flat"),  # one class: the shard is one lane
         loss=LossConfig(loss_bound=0.0, soft_deadline_max_s=0.5, hard_deadline_s=5.0),
     )
-    rng = np.random.default_rng(8)
-    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    datas = random_datas(world, n, 8)
     drop, sent = lose_first_transmission(chunk=3)
     wire = Wire(eps, drop=drop)
     out = run_allreduce(eps, datas, wire)
@@ -104,8 +102,7 @@ def test_a_reliable_transfer_s_loss_is_congestion_a_tolerated_one_is_not(bound, 
         priority=PriorityConfig(policy="flat"),
         loss=LossConfig(loss_bound=bound, soft_deadline_max_s=0.5, hard_deadline_s=5.0),
     )
-    rng = np.random.default_rng(9)
-    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    datas = random_datas(world, n, 9)
     drop, _ = lose_first_transmission(chunk=2)
     out = run_allreduce(eps, datas, Wire(eps, drop=drop))
     assert all(isinstance(out[r], AllReduceComplete) for r in range(world))
