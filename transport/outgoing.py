@@ -185,6 +185,10 @@ class OutTransfer:
         # timeouts until it acknowledges; then the timeout clock restarts (rto_since).
         self.held = False
         self.rto_since = -np.inf
+        # When the first timeout of a round sent its probes (SenderCore._on_timeout; inf: no
+        # round), and the probed chunks whose ACK has not come.
+        self.probe_at = np.inf
+        self.probes = np.empty(0, dtype=np.int64)
         self.done = False
         self.gather = gather
 
@@ -243,6 +247,23 @@ class OutTransfer:
             nxt = int(self.prio[self.order[self.cursor]])
             best = nxt if best is None else min(best, nxt)
         return best
+
+    def tolerable(self, idx: np.ndarray) -> np.ndarray:
+        """The chunks of ``idx`` that the loss budget still lets go: never protected ones,
+        droppable first, then the least important normal chunks."""
+        if self.budget_elems <= 0:
+            return np.empty(0, dtype=np.int64)
+        cand = idx[~self.protected[idx]]
+        cand = cand[np.lexsort((-self.prio[cand].astype(np.int64), ~self.droppable[cand]))]
+        cum = np.cumsum(self.counts[cand])
+        return cand[cum <= self.budget_elems - self.abandoned_elems]
+
+    def overtaken(self, idx: np.ndarray) -> np.ndarray:
+        """The chunks of ``idx`` sent before the newest first transmission acknowledged, on any
+        lane. Only first transmissions count: an ACK cannot say which copy of a resent chunk
+        came."""
+        first = self.tx_seq[(self.state == ACKED) & (self.tx == 1)]
+        return idx[self.tx_seq[idx] < first.max()] if first.size else idx[:0]
 
     def outstanding(self) -> bool:
         """True while some chunk is neither acknowledged nor abandoned."""

@@ -209,6 +209,7 @@ class ReceiverCore:
         # When the driver last read its sockets empty; inf: it never queues (see note_drained).
         self.drained_at = np.inf
         self._pass_ended: dict[InKey, InTransfer] = {}  # a pass ended, gaps maybe left
+        self._drain_wait: dict[InKey, InTransfer] = {}  # NACK deadline passed, no drain since
 
     # -- set-up ----------------------------------------------------------------------------
     def expect(
@@ -449,6 +450,9 @@ class ReceiverCore:
         self.drained_at = now
         for t in self._pass_ended.values():  # live ones: _finish and abort take theirs out
             self._refresh_check(t)
+        for t in self._drain_wait.values():  # their NACK deadline passed: look again now
+            t.check_at = min(t.check_at, now)
+        self._drain_wait.clear()
 
     def handle_timer(self, now: float) -> None:
         """Deadlines and policy decisions; forget old tombstones."""
@@ -489,6 +493,7 @@ class ReceiverCore:
         """Forget a transfer without completing it (its collective failed)."""
         t = self.transfers.pop(key, None)
         self._pass_ended.pop(key, None)
+        self._drain_wait.pop(key, None)
         if t is not None:
             t.done = True
 
@@ -530,6 +535,8 @@ class ReceiverCore:
             return
         soft = t.started + self.loss.nack_deadline(t.gather, t.elems)
         t.check_at = min(hard, max(soft, t.nack_at + self._nack_interval(t)))
+        if t.key in self._drain_wait:  # past the NACK deadline: the next drain re-checks
+            t.check_at = hard
         if t.key in self._pass_ended:
             gap = self._read_to_pass_end(t, (t.received[t.rows] != 0).all(axis=1))
             if gap.any():
@@ -620,8 +627,14 @@ class ReceiverCore:
             )
             self._finish(t, now)
             self.emit(PeerTimedOut(err, t.key.step, t.key.bucket))
-        elif now >= t.started + self.loss.nack_deadline(gather, t.elems):
-            self._nack(t, verdict.need, now)
+        elif now >= (due := t.started + self.loss.nack_deadline(gather, t.elems)):
+            if self.drained_at >= max(due, t.nack_at):
+                self._nack(t, verdict.need, now)
+            else:
+                # The sockets were not read empty since the deadline (or the last NACK): what
+                # is missing may be waiting in them, as on a loaded host that reads late, and
+                # NACKing it resent whole shards that had come. The next drain looks again.
+                self._drain_wait[t.key] = t
 
     def _settle_passes(
         self, t: InTransfer, got: np.ndarray, ended: np.ndarray, budget: int
@@ -739,6 +752,7 @@ class ReceiverCore:
         t.done = True
         self.transfers.pop(t.key, None)
         self._pass_ended.pop(t.key, None)
+        self._drain_wait.pop(t.key, None)
         self._ack_pending.pop(t.key, None)
         self.tombstones[t.key] = now
         for s in t.senders:
