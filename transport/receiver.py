@@ -18,7 +18,9 @@ Completion, checked after each batch and on timers, in this order:
    the phase's loss bound and none of it protected → COMPLETE at once, no deadline wait;
 3. otherwise the loss policy decides from the chunk state and the deadlines (soft: complete if
    within the bound with every protected chunk; hard: degrade or fail). While it says CONTINUE
-   after the soft deadline, the chunks it still needs are NACKed to their senders.
+   after the soft deadline, the chunks it still needs are NACKed to their senders — once the
+   driver has read its sockets empty since the deadline (or the last NACK): a loaded host that
+   reads late would otherwise ask again for data waiting in its own sockets.
 
 A sender's first pass ends with a chunk flagged ``PASS_END``. Once it came, the driver has
 read its sockets empty since (:meth:`ReceiverCore.note_drained`; a driver that never says so

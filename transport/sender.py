@@ -10,7 +10,9 @@ retransmissions of a class go before new chunks of that class. Bytes toward a pe
 per path and spread over paths by :class:`scheduling.paths.PathSet`.
 
 Loss detection: RACK (a chunk sent well before the newest acknowledged one on the same path
-and priority class is lost), a retransmission timeout per path, and the receiver's NACKs.
+and priority class is lost), a retransmission timeout per path, and the receiver's NACKs. A
+timeout resends at once only what a later chunk overtook; for the rest it first sends one probe
+per path and lets the ACKs tell a receiver that reads late from a loss (``_on_timeout``).
 With a loss bound, the sender tells the receiver its protected chunks (MANIFEST, repeated until
 an ACK carries the PROTECTED flag) and, when it has nothing left to send but abandoned chunks, a
 FIN with their bitmap so the receiver can complete at once instead of waiting for a deadline.
