@@ -16,8 +16,11 @@ from scheduling.loss import LossConfig
 from scheduling.priority import PriorityConfig
 from tests.unit.test_core import header_of, kind_of, make, random_datas, run_allreduce
 from tests.unit.wire import Wire
-from transport.events import AllReduceComplete
-from transport.packet import Flags, Kind, Phase
+from transport.config import TransportConfig
+from transport.endpoint import Endpoint
+from transport.events import AllReduceComplete, DatagramRun
+from transport.outgoing import INFLIGHT, LOST, OutKey
+from transport.packet import DType, Flags, Kind, Phase
 
 RTO = 0.02  # min_rto_s: on the in-memory wire's 50 us the RTO is this floor
 NACK_AFTER = 0.2  # soft_deadline_min_s: the receivers' deadline NACKs come no sooner
@@ -179,3 +182,40 @@ def test_a_deadline_nack_waits_until_the_sockets_were_read_empty(drains):
         assert nacks and 0.05 <= nacks[0] < 0.06 and wire.now < 0.2
     else:
         assert not [t for t in nacks if t < 0.25] and wire.now > 0.25
+
+
+def _data_out(ep: Endpoint, now: float) -> list[tuple[int, int]]:
+    """(chunk, path) of each DATA datagram ``ep`` sends now, in order."""
+    return [
+        (int(c), int(q))
+        for item in ep.datagrams_to_send(now)
+        if isinstance(item, DatagramRun)
+        for c, q in zip(item.chunks, item.paths, strict=True)
+    ]
+
+
+def test_a_late_chunk_a_later_one_overtook_is_resent_at_once_the_rest_probed():
+    """At the first timeout, a late chunk that a later first transmission overtook (on another
+    path, so RACK's per-lane rule cannot tell) is lost: the peer acknowledged what came after
+    it. It is resent at once; the newest chunk, which nothing overtook, is only probed."""
+    cfg = TransportConfig(
+        chunk_bytes=256, n_paths=2, min_rto_s=RTO, priority=PriorityConfig(policy="flat")
+    )
+    ep = Endpoint(0, 2, cfg)
+    data = np.random.default_rng(13).standard_normal(3000).astype(np.float32)
+    key = OutKey(1, 0, 1, Phase.REDUCE, 1)
+    t = ep.sender.start(key, data, DType.F32, 0.5, 0.0)
+    sent = _data_out(ep, 0.0)
+    assert len(sent) == t.n_chunks and {q for _, q in sent} == {0, 1}
+    newest, newest_path = sent[-1]
+    overtaken = next(c for c, q in reversed(sent) if q != newest_path)  # newest on its path
+    assert sent.index((overtaken, 1 - newest_path)) < len(sent) - 2  # later ones were acked
+    bits = np.ones(t.n_chunks, dtype=bool)
+    bits[[newest, overtaken]] = False
+    ep.sender.on_ack(key, 0, bits, trigger=sent[0][0], manifest=False, now=0.001)
+    assert t.state[overtaken] == INFLIGHT  # RACK's lanes cannot tell
+    ep.sender.handle_timer(1.0)
+    assert t.state[overtaken] == LOST and t.state[newest] == INFLIGHT
+    out = _data_out(ep, 1.0)
+    assert sorted(c for c, _ in out) == sorted([newest, overtaken])  # a probe and a resend
+    assert (newest, newest_path) in out  # the probe takes the chunk's own path
