@@ -252,7 +252,7 @@ class OutTransfer:
         """The chunks of ``idx`` that the loss budget still lets go: never protected ones,
         droppable first, then the least important normal chunks."""
         if self.budget_elems <= 0:
-            return np.empty(0, dtype=np.int64)
+            return idx[:0]
         cand = idx[~self.protected[idx]]
         cand = cand[np.lexsort((-self.prio[cand].astype(np.int64), ~self.droppable[cand]))]
         cum = np.cumsum(self.counts[cand])
