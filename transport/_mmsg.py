@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-__all__ = ["AVAILABLE", "MSG_DTYPE", "RecvTable", "SendTable", "sockaddr"]
+__all__ = ["AVAILABLE", "MSG_DTYPE", "RecvTable", "SendTable", "sockaddr", "warm_up"]
 
 #: ``struct mmsghdr`` on 64-bit Linux: ``struct msghdr`` (56 bytes) then ``msg_len`` (+ pad).
 MSG_DTYPE = np.dtype(
@@ -205,6 +205,14 @@ def _fill(
         iov[r, 1, 1] = sizes[i]
         order[r] = i
     return counts, nbytes
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the table filler with the argument types the UDP
+    adapter passes (int64 arrays), so a run's first ``sendmmsg`` does not compile it. No
+    system call is made."""
+    z = np.zeros(1, dtype=np.int64)
+    SendTable(1).fill(0, 1, z, 0, z, z, z)
 
 
 class RecvTable:
