@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from scheduling.priority import PriorityConfig
 from transport.packet import DType
 
 __all__ = ["BucketLayout", "ParamOrder", "numpy_view", "wire_dtype"]
@@ -76,15 +77,20 @@ class ParamOrder:
                 self._index[id(p)] = len(self._index)
                 self._keep.append(p)
 
-    def span(self, params: list[torch.Tensor]) -> tuple[float, float]:
-        """(min, max) layer position of ``params``; unknown parameters are learned first
+    def indices(self, params: list[torch.Tensor]) -> list[int]:
+        """Model-order index of each of ``params``; unknown parameters are learned first
         (unless the order came from a model, where they count as the last layer)."""
-        if not params:
-            return (0.0, 0.0)
         if not self._fixed:
             self._learn(params)
         last = max(1, len(self._index) - 1)
-        idx = [self._index.get(id(p), last) for p in params]
+        return [self._index.get(id(p), last) for p in params]
+
+    def span(self, params: list[torch.Tensor]) -> tuple[float, float]:
+        """(min, max) layer position of ``params`` (see :meth:`indices`)."""
+        if not params:
+            return (0.0, 0.0)
+        idx = self.indices(params)
+        last = max(1, len(self._index) - 1)
         return (min(idx) / last, max(idx) / last)
 
 
@@ -102,6 +108,9 @@ class BucketLayout:
     span: tuple[float, float]
     np_dtype: np.dtype
     wire: int | None
+    pinned: bool = False
+    """The bucket holds a pinned layer (``PriorityConfig.pinned_layers``): all of it is
+    protected and sent in class 0."""
     staging: torch.Tensor | None = None
     """Pinned host copy of a GPU bucket (allocated on first use)."""
 
@@ -116,8 +125,16 @@ class BucketLayout:
         return self.numel * self.np_dtype.itemsize
 
     @classmethod
-    def of(cls, index: int, buf: torch.Tensor, params: list[torch.Tensor], order: ParamOrder):
-        """The layout of a bucket with buffer ``buf`` holding ``params``."""
+    def of(
+        cls,
+        index: int,
+        buf: torch.Tensor,
+        params: list[torch.Tensor],
+        order: ParamOrder,
+        priority: PriorityConfig | None = None,
+    ) -> BucketLayout:
+        """The layout of a bucket with buffer ``buf`` holding ``params``; it is pinned when
+        ``priority`` pins one of their model-order indices (:meth:`PriorityConfig.pins`)."""
         np_dtype, wire = wire_dtype(buf.dtype)
         return cls(
             index=index,
@@ -130,6 +147,7 @@ class BucketLayout:
             span=order.span(params),
             np_dtype=np_dtype,
             wire=wire,
+            pinned=priority is not None and priority.pins(order.indices(params)),
         )
 
     def matches(self, buf: torch.Tensor, params: list[torch.Tensor]) -> bool:

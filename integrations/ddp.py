@@ -243,8 +243,10 @@ class Plane(Protocol):
         out: np.ndarray | None = None,
         *,
         scale: float = 1.0,
+        pinned: bool = False,
     ) -> concurrent.futures.Future[tuple[np.ndarray, CollectiveReport]]:
-        """All-reduce ``data`` (sum over ranks, times ``scale``), into ``out`` when given."""
+        """All-reduce ``data`` (sum over ranks, times ``scale``), into ``out`` when given;
+        ``pinned``: every chunk protected, in class 0."""
 
     def stats(self) -> dict[str, Any]:
         """The plane's counters."""
@@ -471,7 +473,8 @@ class GradlaneState:
             self.generation += 1
             self._layouts.clear()
             log.debug("rank %d: bucket layout generation %d", self.rank, self.generation)
-        lay = self._layouts[index] = BucketLayout.of(index, buf, params, self._order)
+        lay = BucketLayout.of(index, buf, params, self._order, self.transport.priority)
+        self._layouts[index] = lay
         return lay
 
     def _submit_cpu(
@@ -484,8 +487,9 @@ class GradlaneState:
         data = numpy_view(buf)  # the plane reads it on its thread; DDP waits before touching it
         # In place (out=data), as dist.all_reduce works: no result array, no copy back.
         cf = self.plane.submit(
-            key.step, key.bucket, data, layout.position, layout.wire, out=data, scale=self._scale
-        )
+            key.step, key.bucket, data, layout.position, layout.wire, out=data,
+            scale=self._scale, pinned=layout.pinned,
+        )  # fmt: skip
         cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, None))
 
     def _submit_cuda(
@@ -512,7 +516,7 @@ class GradlaneState:
                 copied.synchronize()
                 cf = self.plane.submit(
                     key.step, key.bucket, data, layout.position, layout.wire, out=data,
-                    scale=self._scale,
+                    scale=self._scale, pinned=layout.pinned,
                 )  # fmt: skip
                 cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, host))
             except Exception as e:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -70,8 +70,10 @@ class PriorityConfig:
             arrive before a lossy completion; at least one chunk when > 0.
         droppable_fraction: fraction of chunks (smallest norm first) that a sender may skip and
             the network may drop first. Never overlaps the protected set.
-        pinned_layers: layer indices whose buckets are always fully protected (for example the
-            embedding, or a layer known to be sensitive); see :meth:`pins`.
+        pinned_layers: layer indices whose buckets are always fully protected and sent in
+            class 0 (for example the embedding, or a layer known to be sensitive); see
+            :meth:`pins`. In the DDP hook a layer is a parameter's index in
+            ``model.parameters()`` order (0: the first weight).
         dscp: DSCP code point per class (``len(dscp) == n_classes``), 0..63. The default maps
             class 0 to EF (46), then AF41 (34), AF31 (26) and CS1 (8, "lower effort").
     """
@@ -111,7 +113,12 @@ class PriorityConfig:
         bad = [d for d in self.dscp if not 0 <= d <= MAX_DSCP]
         if bad:
             raise ConfigError(f"DSCP values must be in [0, {MAX_DSCP}], got {bad}")
-        negative = [layer for layer in self.pinned_layers if layer < 0]
+        layers = self.pinned_layers
+        if not isinstance(layers, tuple) or not all(
+            isinstance(layer, int) and not isinstance(layer, bool) for layer in layers
+        ):
+            raise ConfigError(f"pinned_layers must be a tuple of layer indices, got {layers!r}")
+        negative = [layer for layer in layers if layer < 0]
         if negative:
             raise ConfigError(f"pinned_layers must be non-negative layer indices, got {negative}")
 
@@ -125,13 +132,15 @@ class PriorityConfig:
         """TOS byte per class as a ``uint8`` array, so a batch maps with ``table[prio]``."""
         return (np.asarray(self.dscp, dtype=np.uint8) << 2).astype(np.uint8)
 
-    def pins(self, first_layer: int, last_layer: int) -> bool:
-        """True when a bucket spanning layers ``first_layer..last_layer`` holds a pinned layer.
+    def pins(self, layers: Iterable[int]) -> bool:
+        """True when a bucket holding ``layers`` (their indices) holds a pinned layer.
 
-        The integration passes the result as ``classify(..., pinned=...)``.
+        Membership, not a range: a bucket's layers need not be contiguous. The integration
+        passes the result as ``classify(..., pinned=...)`` (the DDP hook: ``submit(...,
+        pinned=...)``, with a parameter's index in ``model.parameters()`` order as its layer).
         """
-        lo, hi = min(first_layer, last_layer), max(first_layer, last_layer)
-        return any(lo <= layer <= hi for layer in self.pinned_layers)
+        pinned = self.pinned_layers
+        return bool(pinned) and any(layer in pinned for layer in layers)
 
 
 @dataclass(frozen=True, eq=False)

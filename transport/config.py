@@ -174,7 +174,8 @@ class TransportConfig:
                 bad = sorted(set(value) - known)
                 if bad:
                     raise ConfigError(f"unknown [{key}] setting(s) {bad}; valid: {sorted(known)}")
-                kwargs[key] = sub(**{k: _tuple(v) for k, v in value.items()})
+                tuples = {f.name for f in dataclasses.fields(sub) if isinstance(f.default, tuple)}
+                kwargs[key] = sub(**{k: _tuple(v, k in tuples) for k, v in value.items()})
             elif key in own:
                 kwargs[key] = value
             else:
@@ -187,7 +188,8 @@ class TransportConfig:
     ) -> TransportConfig:
         """Build from ``GRADLANE_*`` variables (``GRADLANE_LOSS__LOSS_BOUND=0.02`` for nested).
 
-        Values are parsed as int, float, bool or string, in that order.
+        Values are parsed as int, float, bool or string, in that order; a list setting takes
+        comma-separated values (``GRADLANE_PRIORITY__PINNED_LAYERS=0,2``) or a single one.
         """
         env = os.environ if environ is None else environ
         tree: dict[str, Any] = {}
@@ -216,8 +218,16 @@ _NESTED: dict[str, type] = {
 _NOT_CONFIG = frozenset({"GRADLANE_FASTMATH", "GRADLANE_MODE", "GRADLANE_LOG"})
 
 
-def _tuple(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
+def _tuple(value: Any, wanted: bool = False) -> Any:
+    """TOML arrays become tuples. For a tuple setting (``wanted``) a string is split at commas
+    (an environment variable's list) and a lone value becomes a one-tuple."""
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    if not wanted:
+        return value
+    if isinstance(value, str):
+        return tuple(_parse_scalar(part.strip()) for part in value.split(",") if part.strip())
+    return (value,)
 
 
 def _parse_scalar(raw: str) -> Any:

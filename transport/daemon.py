@@ -109,6 +109,8 @@ class _Slot:
     """local rank -> (identity, its bucket as wire words in its segment)."""
     launched: bool = False
     buffer: np.ndarray | None = None
+    pinned: bool = False
+    """Any local rank submitted it pinned (all of them do: the same model, the same config)."""
 
 
 class Daemon:
@@ -538,6 +540,7 @@ class Daemon:
             self._fail_one(identity, step, bucket, problem[1])
             return
         slot.arrived[r.local_rank] = (identity, data)
+        slot.pinned = slot.pinned or msg["pinned"]
         if len(slot.arrived) == self._local_world:
             self._launch(slot)
 
@@ -595,7 +598,13 @@ class Daemon:
         eng = self._engine
         assert eng is not None
         fut = eng.submit(
-            slot.step, slot.bucket, wire, slot.layer_position, dtype=slot.dtype, out=wire
+            slot.step,
+            slot.bucket,
+            wire,
+            slot.layer_position,
+            dtype=slot.dtype,
+            out=wire,
+            pinned=slot.pinned,
         )
 
         def done(f: concurrent.futures.Future[Any]) -> None:  # engine thread: hand over

@@ -14,7 +14,7 @@ Conversation (trainer DEALER → daemon ROUTER)::
 
     HELLO  {job, rank, world, local_rank, local_world, pid}  -> WELCOME {generation, host, ...}
     SUBMIT {generation, step, bucket, shm, offset, numel,
-            dtype, layer_position}                           -> DONE {.., report} | FAIL {.., error}
+            dtype, layer_position, pinned}                   -> DONE {.., report} | FAIL {.., error}
     BYE    {}                                                (the daemon frees the rank's slots)
     anything malformed                                       -> REJECT {reason, detail}
 """
@@ -73,6 +73,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, tuple[float, float] | None]]] = {
         "numel": (int, _COUNT),
         "dtype": (int, (0, 2)),
         "layer_position": (float, (0.0, 1.0)),
+        "pinned": (bool, None),
     },
     "DONE": {
         "generation": (int, _U63),
@@ -153,6 +154,10 @@ def decode(frames: Sequence[bytes]) -> tuple[str, dict[str, Any]]:
 
 
 def _check(kind: str, name: str, value: Any, typ: type, bounds: Any) -> Any:
+    if typ is bool:  # JSON true/false only: not 0/1, which would pass for an int elsewhere
+        if not isinstance(value, bool):
+            raise IpcError("bad_field", f"{kind}.{name}={value!r}: expected bool")
+        return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, typ) or isinstance(value, bool):

@@ -77,6 +77,7 @@ class _Request:
     deadline: float
     seg: list[Any] | None = None  # [Segment, busy]
     scale: float = 1.0
+    pinned: bool = False
 
 
 class DaemonClient:
@@ -179,6 +180,7 @@ class DaemonClient:
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
         scale: float = 1.0,
+        pinned: bool = False,
     ) -> concurrent.futures.Future[Result]:
         """All-reduce ``data`` through the daemon (sum over every rank of every host).
 
@@ -186,6 +188,7 @@ class DaemonClient:
         daemon mode (the daemons run the transpose all-reduce among themselves). ``scale`` is
         applied here as the bucket is copied into the shared segment (the same pass), before
         the sum: a float16 sum of scaled buckets does not overflow where the raw one could.
+        ``pinned`` reaches the daemon's engine (the bucket is pinned if any local rank says so).
         """
         fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
         try:
@@ -218,6 +221,7 @@ class DaemonClient:
             out_wire,
             time.monotonic() + self.request_timeout_s,
             scale=scale,
+            pinned=bool(pinned),
         )
         with self._lock:
             if self._closed:
@@ -414,6 +418,7 @@ class DaemonClient:
                 numel=int(req.data.shape[0]),
                 dtype=int(req.dtype),
                 layer_position=req.layer_position,
+                pinned=req.pinned,
             )
             sock.send_multipart(frames, zmq.NOBLOCK)
         except (GradlaneError, zmq.ZMQError) as e:

@@ -113,6 +113,7 @@ class _Job:
     servers: tuple[int, ...] | None = None
     out: np.ndarray | None = None
     scale: float = 1.0
+    pinned: bool = False
 
 
 class ZmqDataPlane:
@@ -257,10 +258,12 @@ class ZmqDataPlane:
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
         scale: float = 1.0,
+        pinned: bool = False,
     ) -> Future[CollectiveResult]:
         """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``);
-        ``servers`` makes it a parameter-server push/pull, ``out`` receives the result and
-        ``scale`` multiplies it (all as :meth:`Engine.submit`).
+        ``servers`` makes it a parameter-server push/pull, ``out`` receives the result,
+        ``scale`` multiplies it and ``pinned`` protects every chunk (all as
+        :meth:`Engine.submit`).
 
         Thread-safe. The Future resolves to ``(sum over ranks, CollectiveReport)`` or fails with
         the collective's error (:class:`TransferFailed` if the plane closes first). ``data`` must
@@ -278,7 +281,7 @@ class ZmqDataPlane:
                 )
                 return fut
             srv = None if servers is None else tuple(servers)
-            job = _Job(step, bucket, data, layer_position, dtype, fut, srv, out, scale)
+            job = _Job(step, bucket, data, layer_position, dtype, fut, srv, out, scale, pinned)
             self._inbox.put(job)
         self._wake()
         return fut
@@ -404,6 +407,7 @@ class _Loop:
                 now,
                 job.servers,
                 job.out,
+                job.pinned,
                 scale=job.scale,
             )
             if started:

@@ -26,6 +26,7 @@ import pytest
 import zmq
 
 from scheduling.loss import LossConfig
+from tests.loopback.checks import check_pinned_goes_in_class_0
 from transport import ipc
 from transport.allreduce import from_f32
 from transport.config import loopback_config
@@ -165,7 +166,7 @@ def test_bad_submissions_fail_clearly_and_the_daemon_keeps_serving(host: Host):
         assert kind == "WELCOME"
         gen, prefix = welcome["generation"], welcome["prefix"]
         sub = {"generation": gen, "step": 0, "bucket": 0, "shm": f"{prefix}b0.0-9", "offset": 0,
-               "numel": 16, "dtype": 0, "layer_position": 0.0}  # fmt: skip
+               "numel": 16, "dtype": 0, "layer_position": 0.0, "pinned": False}  # fmt: skip
         cases = [
             ({}, "does not exist"),
             ({"shm": "gradlane-someone-else"}, "is not local rank 0's"),
@@ -248,6 +249,9 @@ def test_two_daemons_meet_in_a_tcpstore(host: Host):
         host.clients.append(c)
         clients.append(c.start())
     _pair_step(clients, 0)
+    # A pinned bucket reaches the daemons' engines: every chunk goes in class 0.
+    xs = [np.random.default_rng(h).standard_normal(100_000).astype(np.float32) for h in range(2)]
+    check_pinned_goes_in_class_0(clients, xs, WAIT_S)
     for p in procs:
         p.send_signal(signal.SIGTERM)
         assert p.wait(WAIT_S) == 0

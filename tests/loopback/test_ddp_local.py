@@ -28,6 +28,7 @@ from integrations.ddp import GradlaneState, HookConfig, gradlane_hook
 from integrations.rendezvous import RendezvousError, StoreRendezvous, local_hosts
 from integrations.trace import TraceRecorder, read_trace
 from scheduling.errors import ConfigError
+from scheduling.priority import PriorityConfig
 from transport.config import TransportConfig
 from transport.daemon import Daemon
 from transport.daemon_config import DaemonConfig
@@ -128,7 +129,7 @@ class _WrongPlane:
 
     def submit(
         self, step, bucket, data, layer_position=0.5, dtype=None, servers=None, out=None, *,
-        scale=1.0,
+        scale=1.0, pinned=False,
     ):  # fmt: skip
         fut: concurrent.futures.Future = concurrent.futures.Future()
         result = data.astype(np.int32) if self.how == "dtype" else data[:-1].copy()
@@ -164,6 +165,50 @@ def test_unsupported_dtype_fails_the_future_not_the_hook(store):
             RuntimeError, match=r"float32, float16 and bfloat16 buckets, not torch\.float64"
         ):
             _step(ddp, torch.float64)
+
+
+class _Noting:
+    """A real data plane, wrapped to note what the hook asked of each submit."""
+
+    def __init__(self, plane) -> None:
+        self.plane = plane
+        self.asked: list[tuple[int, float, bool]] = []  # (step, layer position, pinned)
+
+    def submit(self, step, bucket, data, layer_position=0.5, dtype=None, servers=None, out=None,
+               *, scale=1.0, pinned=False):  # fmt: skip
+        self.asked.append((step, layer_position, pinned))
+        return self.plane.submit(
+            step, bucket, data, layer_position, dtype, servers, out, scale=scale, pinned=pinned
+        )
+
+    def stats(self):
+        return self.plane.stats()
+
+    def close(self):
+        self.plane.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("known_order", [True, False])
+def test_a_bucket_holding_a_pinned_layer_is_submitted_pinned(store, known_order):
+    # Parameters in model order: 0 and 1 the first Linear, 2 and 3 the second, 4 and 5 the
+    # last. DDP's rebuilt buckets (2 KB cap, but 1 MB for the first one) hold 5..2 and 1..0.
+    model = _model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)
+    transport = TransportConfig(chunk_bytes=65000, priority=PriorityConfig(pinned_layers=(2,)))
+    state = GradlaneState(
+        transport, HookConfig(), rendezvous=StoreRendezvous(store),
+        model=model if known_order else None,
+    )  # fmt: skip
+    with state:
+        noting = state.plane = _Noting(state.plane)
+        ddp.register_comm_hook(state, gradlane_hook)
+        for _ in range(2):
+            _step(ddp)
+    first = [a for a in noting.asked if a[0] == 0]
+    assert first == [(0, 0.0, True)]  # DDP's first step: one bucket, the whole model
+    rebuilt = [a for a in noting.asked if a[0] == 1]
+    assert sorted(rebuilt) == [(1, 0.0, False), (1, 0.4, True)], rebuilt  # position 2 / 5
 
 
 def test_layer_positions_follow_the_model_order(store):

@@ -16,6 +16,7 @@ import pytest
 
 from scheduling.loss import LossConfig
 from scheduling.pacing import PacingConfig
+from tests.loopback.checks import check_pinned_goes_in_class_0
 from transport.config import TransportConfig
 from transport.engine import Engine
 from transport.errors import ConfigError, PeerTimeout, TransferFailed
@@ -184,16 +185,7 @@ def test_pinned_bucket_sends_every_chunk_in_class_0(cluster: MakeCluster):
     engines = cluster(2, TransportConfig(n_paths=2, chunk_bytes=4096, pacing=PACING))
     rng = np.random.default_rng(5)
     data = [rng.standard_normal(100_003).astype(np.float32) for _ in engines]
-    for step, pinned in ((1, True), (2, False)):
-        futs = [e.submit(step, 0, d, pinned=pinned) for e, d in zip(engines, data, strict=True)]
-        for f in futs:
-            res, rep = f.result(WAIT_S)
-            np.testing.assert_array_equal(res, data[0] + data[1])
-            sent = rep.sender.sent
-            if pinned:
-                assert sent[0] > 0 and sum(sent[1:]) == 0, sent
-            else:  # layer+magnitude: protected chunks in class 0, the rest in others
-                assert sent[0] > 0 and sum(sent[1:]) > sent[0], sent
+    check_pinned_goes_in_class_0(engines, data, WAIT_S)
 
 
 @pytest.mark.timeout(60)

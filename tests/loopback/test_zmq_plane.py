@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from scheduling.loss import LossConfig
+from tests.loopback.checks import check_pinned_goes_in_class_0
 from transport.errors import PeerTimeout, TransferFailed
 from transport.zmq_control import (
     Announcement,
@@ -286,6 +287,13 @@ def test_no_fd_or_thread_growth_over_30_collectives(ipc_dir, closing):
     with ZmqDataPlane(0, 2, zmq_config(), eps) as c, ZmqDataPlane(1, 2, zmq_config(), eps) as d:
         _allreduce([c, d], 0, 0, xs)
     assert _resources() == base
+
+
+def test_a_pinned_bucket_goes_in_class_0(ipc_dir, closing):
+    planes = _planes(ipc_dir, 2, closing)
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal(100_000).astype(np.float32) for _ in range(2)]
+    check_pinned_goes_in_class_0(planes, xs, RESULT_TIMEOUT_S)
 
 
 def test_scale_multiplies_the_sum(ipc_dir, closing):

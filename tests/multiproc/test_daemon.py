@@ -184,6 +184,7 @@ def _garbage(sock_path: str, job: int) -> list[tuple[list[bytes], str]]:
         "numel": 4,
         "dtype": 0,
         "layer_position": 0.5,
+        "pinned": False,
     }
     hello = {"job": job, "rank": 0, "world": 4, "local_rank": 0, "local_world": 2, "pid": 1}
     return [

@@ -383,6 +383,14 @@ def test_bad_config_is_a_clear_error():
     )
     cfg = TransportConfig.from_env({"GRADLANE_LOSS__LOSS_BOUND": "0.02", "GRADLANE_N_PATHS": "2"})
     assert cfg.loss.loss_bound == 0.02 and cfg.n_paths == 2
+    # List settings: a comma-separated value, or a single one.
+    env = {"GRADLANE_PRIORITY__PINNED_LAYERS": "0,2", "GRADLANE_PRIORITY__DSCP": "46, 0, 0, 8"}
+    cfg = TransportConfig.from_env(env)
+    assert cfg.priority.pinned_layers == (0, 2) and cfg.priority.dscp == (46, 0, 0, 8)
+    cfg = TransportConfig.from_env({"GRADLANE_PRIORITY__PINNED_LAYERS": "3"})
+    assert cfg.priority.pinned_layers == (3,)
+    with pytest.raises(ConfigError, match="pinned_layers must be a tuple of layer indices"):
+        TransportConfig.from_env({"GRADLANE_PRIORITY__PINNED_LAYERS": "embedding"})
 
 
 def test_reject_counters_by_reason():

@@ -22,7 +22,8 @@ from transport.packet import DType
 from transport.shm import Segment, SegmentError, check_name, remove_prefix
 
 SUBMIT = {"generation": 5, "step": 3, "bucket": 1, "shm": "gradlane-1-h0-5-l0-b1.0-0",
-          "offset": 0, "numel": 100, "dtype": 0, "layer_position": 0.25}  # fmt: skip
+          "offset": 0, "numel": 100, "dtype": 0, "layer_position": 0.25,
+          "pinned": True}  # fmt: skip
 
 
 # -- IPC messages -----------------------------------------------------------------------------
@@ -44,6 +45,8 @@ def test_encode_decode_round_trip():
         ([b"SUBMIT", json.dumps({**SUBMIT, "step": True}).encode()], "bad_field"),
         ([b"SUBMIT", json.dumps({**SUBMIT, "numel": "100"}).encode()], "bad_field"),
         ([b"SUBMIT", json.dumps({**SUBMIT, "dtype": 3}).encode()], "bad_field"),
+        ([b"SUBMIT", json.dumps({**SUBMIT, "pinned": 1}).encode()], "bad_field"),
+        ([b"SUBMIT", json.dumps({**SUBMIT, "pinned": "yes"}).encode()], "bad_field"),
         ([b"SUBMIT", json.dumps({**SUBMIT, "evil": 1}).encode()], "bad_field"),
         ([b"SUBMIT", json.dumps({k: v for k, v in SUBMIT.items() if k != "shm"}).encode()],
          "bad_field"),

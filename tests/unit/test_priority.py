@@ -78,10 +78,12 @@ def test_tos_out_of_range() -> None:
 
 def test_pins() -> None:
     cfg = PriorityConfig(pinned_layers=(0, 10))
-    assert cfg.pins(0, 3)
-    assert cfg.pins(12, 8)
-    assert not cfg.pins(1, 9)
-    assert not PriorityConfig().pins(0, 1000)
+    assert cfg.pins([3, 2, 1, 0])
+    assert cfg.pins(range(8, 13))
+    assert not cfg.pins([1, 9])
+    assert not cfg.pins([9, 11])  # membership: a bucket of layers 9 and 11 does not hold 10
+    assert not cfg.pins([])
+    assert not PriorityConfig().pins(range(1000))
 
 
 # -- registry --------------------------------------------------------------------------------------
