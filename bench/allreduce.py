@@ -206,6 +206,7 @@ def _timed_loop(
                 mine.append(time.perf_counter() - t0)
                 spent.append(_cpu_s() - c0)
                 if rep == 0:
+                    assert gloo_result is not None  # gloo runs first in every repetition
                     checks[t][mb] = _check(t, rank, mb, res, report, gloo_result)
             # The step time of a collective is its slowest rank's; its CPU, every rank's.
             tt = torch.tensor(mine, dtype=torch.float64)

@@ -89,9 +89,9 @@ def _route(out: list[Any], queues: list[list[Any]]) -> None:
                 parts = (hdr[int(item.chunks[i])].copy(), bytes(pay[s : s + z]))
                 queues[item.peer].append((int(item.paths[i]), parts))
         else:
-            parts = (bytes(item.data),) if item.payload is None else (
+            whole: tuple[bytes, ...] = (bytes(item.data),) if item.payload is None else (
                 bytes(item.data), bytes(item.payload))  # fmt: skip
-            queues[item.peer].append((item.path, parts))
+            queues[item.peer].append((item.path, whole))
 
 
 def run_one(world: int, mb: float, reps: int, tick_s: float, profile: Any = None) -> dict[str, Any]:

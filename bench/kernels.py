@@ -15,6 +15,7 @@ payload again). The payload itself is never copied: the kernel's ``sendmmsg`` ga
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -189,7 +190,7 @@ def _pack_reduce_place(
 
     half = src.astype(np.float16).view(np.uint16)
     for name, wire in (("send_bf16", DType.BF16), ("send_f16", DType.F16)):
-        t = _solo(lambda w=wire: do_send(fast, half, w), reps)
+        t = _solo(functools.partial(do_send, fast, half, wire), reps)
         _row(results, kernel=name, size_MB=size_mb, payload_B=payload,
              GBps=half.nbytes / t / 1e9)  # fmt: skip
         summary[f"{name}_GBps_{size_mb}MB{tag}"] = round(half.nbytes / t / 1e9, 2)

@@ -701,8 +701,9 @@ class _Blaster:
     def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
         pass
 
-    def datagrams_to_send(self, now: float) -> list[Datagram]:
-        out, self._dgs = self._dgs, []
+    def datagrams_to_send(self, now: float) -> list[Datagram | DatagramRun]:
+        out: list[Datagram | DatagramRun] = list(self._dgs)
+        self._dgs = []
         return out
 
     def get_timer(self) -> float | None:

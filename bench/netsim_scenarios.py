@@ -96,9 +96,12 @@ class NetSpec:
         )
         n_leaves = math.ceil(self.ranks / hpl)
         if self.congest > 0 and n_leaves > 1:
-            burst = {"on_s": self.burst_s, "off_s": self.burst_s} if self.bursty else {}
-            net.add_cross_traffic(self.congest, link="leaf0>spine0", **burst)
-            net.add_cross_traffic(self.congest, link="spine0>leaf1", **burst)
+            for link in ("leaf0>spine0", "spine0>leaf1"):
+                if self.bursty:
+                    on = off = self.burst_s
+                    net.add_cross_traffic(self.congest, link=link, on_s=on, off_s=off)
+                else:
+                    net.add_cross_traffic(self.congest, link=link)
         return net
 
 

@@ -54,7 +54,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], up: Any) 
             if name == "bert":
                 torch.manual_seed(0)
                 model: torch.nn.Module = BertShapedEncoder()
-                batch = (2, 128)
+                batch: tuple[int, ...] = (2, 128)
 
                 def sample() -> tuple[torch.Tensor, torch.Tensor]:
                     ids = torch.randint(0, 30522, batch, generator=g)
@@ -140,7 +140,8 @@ def record(model: str, ranks: int, steps: int, out: Path, timeout: float) -> Pat
                         p.kill()
                         p.join(10.0)
             up.close()
-        metas, buckets = [], []
+        metas: list[dict[str, Any]] = []
+        buckets: list[dict[str, Any]] = []
         for path in paths:
             for line in path.read_text().splitlines():
                 rec = json.loads(line)

@@ -84,7 +84,7 @@ def config_stats(steps: list[dict[str, Any]], world: int, link_Bps: float) -> di
         # The whole machine over the same steps (forwarding and shaping run in softirq, outside
         # every process); None where rank 0 could not read /proc/stat.
         "machine_cores_busy": _weighted(
-            [(s.get("host_cores"), s["wall_s"]) for s in steps if s.get("host_cores") is not None]
+            [(s["host_cores"], s["wall_s"]) for s in steps if s.get("host_cores") is not None]
         ),
     }
 

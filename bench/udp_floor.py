@@ -46,7 +46,7 @@ def _exchange(
     """One all-reduce of ``buf`` in place; False if a datagram never came (timed out)."""
     world = len(ports)
     el = (DATAGRAM - HDR.size) // 4
-    raw = memoryview(buf).cast("B")
+    raw = memoryview(buf.data).cast("B")
     rbuf = bytearray(DATAGRAM + HDR.size)
     rview = memoryview(rbuf)
     hdr = bytearray(HDR.size)
