@@ -30,7 +30,7 @@ transfer on the wire. ``generation`` counts bucket layouts: DDP starts with one 
 bucket and rebuilds its buckets after the first backward (the second with ``static_graph``),
 in reverse order and with new storage; the hook notices a bucket index whose size, dtype or
 parameters changed, starts a new generation and recomputes what it caches per bucket (layer
-position, staging buffer). Under ``join()`` ranks that ran out of data call the hook with zero
+position, whether it holds a pinned layer, staging buffer). Under ``join()`` ranks that ran out of data call the hook with zero
 buckets, so they keep counting the same steps as the others.
 
 GPU buckets go through a pinned host buffer per bucket: a non-blocking device-to-host copy and
@@ -67,7 +67,14 @@ import torch
 import torch.distributed as dist
 
 from integrations.buckets import BucketLayout, ParamOrder, numpy_view
-from integrations.rendezvous import DEFAULT_TIMEOUT_S, StoreRendezvous, is_loopback, local_hosts
+from integrations.rendezvous import (
+    DEFAULT_TIMEOUT_S,
+    StoreRendezvous,
+    is_loopback,
+    local_hosts,
+    local_rank_and_world,
+    rank_and_world,
+)
 from scheduling.errors import ConfigError, GradlaneError
 from transport.config import TransportConfig, loopback_config
 from transport.daemon_config import default_socket
@@ -296,7 +303,7 @@ class GradlaneState:
         if mode is not None and mode != hook.mode:
             hook = dataclasses.replace(hook, mode=mode)
         self.config = hook
-        self.rank, self.world = _rank_and_world(rank, world)
+        self.rank, self.world = rank_and_world(rank, world)
         self._scale = 1.0 / self.world  # DDP wants the mean; the plane scales as it reduces
         self._local = (local_rank, local_world)
         if transport is None:
@@ -351,12 +358,12 @@ class GradlaneState:
         if not hook.hosts and embedded:  # resolved here, so that ``environ`` is the only source
             hosts = local_hosts(transport.n_paths, master)
             hook = dataclasses.replace(hook, hosts=tuple(hosts))
-        rank, world = _rank_and_world(rank, world, env)
+        rank, world = rank_and_world(rank, world, env)
         if rendezvous is None and plane is None and embedded:
             rendezvous = StoreRendezvous.from_env(environ=env, timeout_s=hook.rendezvous_timeout_s)
         local_rank = local_world = None
         if not embedded:  # torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, read from ``environ``
-            local_rank, local_world = _local_rank_and_world(None, None, env)
+            local_rank, local_world = local_rank_and_world(None, None, env)
         return cls(
             transport,
             hook,
@@ -394,7 +401,7 @@ class GradlaneState:
     def _connect_daemon(self) -> Plane:
         """Daemon mode: the host's daemon is the data plane (waits for it, bounded)."""
         hook, cfg = self.config, self.transport
-        local_rank, local_world = _local_rank_and_world(*self._local)
+        local_rank, local_world = local_rank_and_world(*self._local)
         loss = cfg.loss
         client = DaemonClient(
             hook.daemon_socket or default_socket(cfg.job),
@@ -709,59 +716,6 @@ def _fail(fut: torch.futures.Future[torch.Tensor], error: BaseException) -> None
 def _wait(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
     # Returned through ``then`` so that a failure's message survives into backward()'s error.
     return fut.wait()
-
-
-def _place(
-    given: tuple[int | None, int | None],
-    names: tuple[str, str],
-    environ: Mapping[str, str] | None,
-    hint: str,
-    out_of_range: str,
-) -> tuple[int, int]:
-    """A (position, size) pair: the given values, else the environment variables ``names``.
-
-    ConfigError: ``hint`` when one is missing or not an integer; ``out_of_range`` (formatted
-    with ``pos`` and ``size``) when the position is not in ``[0, size)``.
-    """
-    env = os.environ if environ is None else environ
-    try:
-        pos, size = (int(env[n]) if v is None else v for v, n in zip(given, names, strict=True))
-    except (KeyError, ValueError):
-        raise ConfigError(hint) from None
-    if not 0 <= pos < size:
-        raise ConfigError(out_of_range.format(pos=pos, size=size))
-    return pos, size
-
-
-def _rank_and_world(
-    rank: int | None, world: int | None, environ: Mapping[str, str] | None = None
-) -> tuple[int, int]:
-    """This rank and the world size: arguments, else the process group, else RANK/WORLD_SIZE."""
-    if (rank is None or world is None) and dist.is_available() and dist.is_initialized():
-        rank = dist.get_rank() if rank is None else rank
-        world = dist.get_world_size() if world is None else world
-    return _place(
-        (rank, world),
-        ("RANK", "WORLD_SIZE"),
-        environ,
-        "cannot tell this rank and the world size: call init_process_group first, "
-        "set RANK and WORLD_SIZE (torchrun does), or pass rank= and world=",
-        "rank {pos} is not in a world of {size}",
-    )
-
-
-def _local_rank_and_world(
-    local_rank: int | None, local_world: int | None, environ: Mapping[str, str] | None = None
-) -> tuple[int, int]:
-    """This rank among its host's trainers: arguments, else ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``."""
-    return _place(
-        (local_rank, local_world),
-        ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-        environ,
-        "daemon mode needs this rank's place on its host: set LOCAL_RANK and "
-        "LOCAL_WORLD_SIZE (torchrun does) or pass local_rank= and local_world=",
-        "local rank {pos} is not in a host of {size} ranks",
-    )
 
 
 def _default_transport(hook: HookConfig, master_addr: str | None) -> TransportConfig:

@@ -29,7 +29,15 @@ import torch.distributed as dist
 from scheduling.errors import ConfigError, GradlaneError
 from transport.rendezvous import Address, Rendezvous
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RendezvousError", "StoreRendezvous", "is_loopback", "local_hosts"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "RendezvousError",
+    "StoreRendezvous",
+    "is_loopback",
+    "local_hosts",
+    "local_rank_and_world",
+    "rank_and_world",
+]
 
 #: How long a rank waits for the store and for each peer's addresses (torch's default, too).
 DEFAULT_TIMEOUT_S = 300.0
@@ -178,3 +186,56 @@ def is_loopback(host: str) -> bool:
     except OSError:
         return False
     return all(str(a).startswith("127.") or a == "::1" for a in addrs)
+
+
+def _place(
+    given: tuple[int | None, int | None],
+    names: tuple[str, str],
+    environ: Mapping[str, str] | None,
+    hint: str,
+    out_of_range: str,
+) -> tuple[int, int]:
+    """A (position, size) pair: the given values, else the environment variables ``names``.
+
+    ConfigError: ``hint`` when one is missing or not an integer; ``out_of_range`` (formatted
+    with ``pos`` and ``size``) when the position is not in ``[0, size)``.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        pos, size = (int(env[n]) if v is None else v for v, n in zip(given, names, strict=True))
+    except (KeyError, ValueError):
+        raise ConfigError(hint) from None
+    if not 0 <= pos < size:
+        raise ConfigError(out_of_range.format(pos=pos, size=size))
+    return pos, size
+
+
+def rank_and_world(
+    rank: int | None, world: int | None, environ: Mapping[str, str] | None = None
+) -> tuple[int, int]:
+    """This rank and the world size: arguments, else the process group, else RANK/WORLD_SIZE."""
+    if (rank is None or world is None) and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank() if rank is None else rank
+        world = dist.get_world_size() if world is None else world
+    return _place(
+        (rank, world),
+        ("RANK", "WORLD_SIZE"),
+        environ,
+        "cannot tell this rank and the world size: call init_process_group first, "
+        "set RANK and WORLD_SIZE (torchrun does), or pass rank= and world=",
+        "rank {pos} is not in a world of {size}",
+    )
+
+
+def local_rank_and_world(
+    local_rank: int | None, local_world: int | None, environ: Mapping[str, str] | None = None
+) -> tuple[int, int]:
+    """This rank among its host's trainers: arguments, else ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``."""
+    return _place(
+        (local_rank, local_world),
+        ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        environ,
+        "daemon mode needs this rank's place on its host: set LOCAL_RANK and "
+        "LOCAL_WORLD_SIZE (torchrun does) or pass local_rank= and local_world=",
+        "local rank {pos} is not in a host of {size} ranks",
+    )
