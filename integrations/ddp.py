@@ -30,8 +30,9 @@ transfer on the wire. ``generation`` counts bucket layouts: DDP starts with one 
 bucket and rebuilds its buckets after the first backward (the second with ``static_graph``),
 in reverse order and with new storage; the hook notices a bucket index whose size, dtype or
 parameters changed, starts a new generation and recomputes what it caches per bucket (layer
-position, whether it holds a pinned layer, staging buffer). Under ``join()`` ranks that ran out of data call the hook with zero
-buckets, so they keep counting the same steps as the others.
+position, whether it holds a pinned layer, staging buffer). Under ``join()`` ranks that ran
+out of data call the hook with zero buckets, so they keep counting the same steps as the
+others.
 
 GPU buckets go through a pinned host buffer per bucket: a non-blocking device-to-host copy and
 a CUDA event on the current stream, a staging thread that waits for the event (never the
