@@ -114,10 +114,11 @@ class PriorityConfig:
         if bad:
             raise ConfigError(f"DSCP values must be in [0, {MAX_DSCP}], got {bad}")
         layers = self.pinned_layers
-        if not isinstance(layers, tuple) or not all(
+        if not isinstance(layers, tuple | list) or not all(
             isinstance(layer, int) and not isinstance(layer, bool) for layer in layers
         ):
             raise ConfigError(f"pinned_layers must be a tuple of layer indices, got {layers!r}")
+        object.__setattr__(self, "pinned_layers", tuple(layers))  # a list is taken, kept hashable
         negative = [layer for layer in layers if layer < 0]
         if negative:
             raise ConfigError(f"pinned_layers must be non-negative layer indices, got {negative}")

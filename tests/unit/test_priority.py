@@ -84,6 +84,9 @@ def test_pins() -> None:
     assert not cfg.pins([9, 11])  # membership: a bucket of layers 9 and 11 does not hold 10
     assert not cfg.pins([])
     assert not PriorityConfig().pins(range(1000))
+    assert PriorityConfig(pinned_layers=[4, 1]).pinned_layers == (4, 1)  # a list is kept as a tuple
+    with pytest.raises(ConfigError, match="tuple of layer indices"):
+        PriorityConfig(pinned_layers=(1.5,))
 
 
 # -- registry --------------------------------------------------------------------------------------
