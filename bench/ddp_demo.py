@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from transport.allreduce import warm_up
+from transport.warm import warm_up
 
 __all__ = ["RUNS", "DemoError", "DemoOptions", "run_demo"]
 
@@ -78,7 +78,7 @@ def run_demo(
     # Compile the kernels once, here, into numba's on-disk cache, before the ranks start: they
     # then load them. On a fresh install, four ranks compiling the same kernels side by side
     # made the first demo take 77 s on 2 cores.
-    warm_up()
+    warm_up(udp=True)
     ctx = mp.get_context("spawn")
     up: Any = ctx.Queue()
     port = _free_port()

@@ -22,12 +22,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduling.loss import LossConfig
-from scheduling.pacing import PacingConfig
 from transport import kernels
 from transport.config import TransportConfig
 from transport.endpoint import Endpoint
@@ -41,21 +39,15 @@ from transport.events import (
     LossReport,
     PeerTimedOut,
     TransferComplete,
-    flat,
 )
 from transport.packet import (
-    HEADER_SIZE,
     DType,
-    Header,
-    Kind,
     Phase,
     TransferSpec,
     chunk_counts,
-    header_fields,
 )
 from transport.receiver import InKey
 from transport.sender import OutKey
-from transport.tag import TagKey
 
 __all__ = [
     "TransposeAllReduce",
@@ -63,7 +55,6 @@ __all__ = [
     "from_f32",
     "shard_bounds",
     "to_f32",
-    "warm_up",
     "wire_view",
 ]
 
@@ -531,95 +522,3 @@ class TransposeAllReduce:
             for phase in (Phase.REDUCE, Phase.GATHER):
                 self.endpoint.receiver.abort(InKey(c.step, c.bucket, j, phase))
         self._events.append(AllReduceFailed(ev.step, ev.bucket, ev.error))
-
-
-_warm: set[str] = set()  # what this process has compiled already
-
-
-def warm_up(*, keyed: bool = False) -> None:
-    """Compile (or load from numba's cache) every kernel an all-reduce uses, off the clock.
-
-    Drivers call it before their first collective: numba compiles lazily, and a first compile
-    inside a collective (seconds on a cold cache) would count against its deadlines. Runs a tiny
-    two-rank all-reduce in memory for each wire dtype, once per process; ``keyed`` (a job with a
-    secret) also compiles the SipHash header writer, which only such jobs use.
-    """
-    if "all-reduce" not in _warm:
-        _warm_all_reduce()
-        _warm.add("all-reduce")
-    if keyed and "siphash" not in _warm:
-        _warm_siphash_headers()
-        _warm.add("siphash")
-
-
-def _warm_all_reduce() -> None:
-    # Two paths, a clock that moves and lost first transmissions: the exchange then runs what a
-    # real collective runs beyond its first pass (path spraying, ACK scans, RACK and timeout
-    # recovery, path ticks), in reliable and bounded mode. A kernel it misses compiles inside
-    # the first real collective instead: with a cold cache that stalled one for 4.5 s while
-    # the peers' timers ran (measured; tests/loopback/test_warm_up.py guards the coverage).
-    cfg = TransportConfig(
-        n_paths=2,
-        chunk_bytes=256,
-        rotate=True,
-        rotate_block=64,
-        burst_packets=256,  # a whole transfer in one pass, so "the last one sent" is known
-        pacing=PacingConfig(controller="fixed", initial_rate_Bps=1e10, burst_bytes=1 << 20),
-    )
-    x = np.linspace(-1.0, 1.0, 2000, dtype=np.float32)
-    for bound in (0.0, 0.05):
-        for dtype, data in (
-            (None, x),
-            (None, x.astype(np.float16)),
-            (DType.BF16, np.arange(2000, dtype=np.uint16)),
-        ):
-            _warm_exchange(replace(cfg, loss=LossConfig(loss_bound=bound)), dtype, data)
-
-
-def _warm_exchange(cfg: TransportConfig, dtype: int | None, data: np.ndarray) -> None:
-    """Two ranks all-reduce ``data`` in memory; each first pass loses its second datagram (a
-    later ACK exposes it: RACK) and its last (nothing follows it: the timeout and its probe)."""
-    ranks = [TransposeAllReduce(r, 2, cfg) for r in range(2)]
-    for r in ranks:
-        r.start(0, 0, data, 0.5, 0.0, dtype=dtype)
-    passed: set[tuple[int, int]] = set()  # (rank, phase) whose first pass went out
-    done, now = 0, 0.0
-    for _ in range(100_000):  # ~100 ms of clock finish it; the bound only guards a bug
-        for me, r in enumerate(ranks):
-            when = r.get_timer()
-            if when is not None and when <= now:
-                r.handle_timer(now)
-            out = list(flat(r.datagrams_to_send(now)))
-            data_at = [i for i, dg in enumerate(out) if dg.payload is not None]
-            lose: set[int] = set()
-            if data_at:
-                phase = header_fields(np.frombuffer(out[data_at[0]].data, np.uint8)).phase
-                if (me, phase) not in passed and len(data_at) > 2:
-                    passed.add((me, phase))
-                    lose = {data_at[1], data_at[-1]}
-            for i, dg in enumerate(out):
-                if i not in lose:
-                    ranks[dg.peer].receive_datagram(dg.wire(), dg.path, now)
-            while (ev := r.next_event()) is not None:
-                done += isinstance(ev, AllReduceComplete | AllReduceFailed)
-        if done == 2 and not any(r.endpoint.sender.transfers for r in ranks):
-            break
-        now += 1e-4
-    if done != 2:  # a bug in the core: say so at start-up, not at the first collective
-        raise RuntimeError(f"the warm-up all-reduce ({dtype or data.dtype}) did not complete")
-
-
-def _warm_siphash_headers() -> None:
-    x = np.ones(8, dtype=np.float32)
-    stats = kernels.chunk_stats(x, dtype=DType.F32, chunk_elems=4)
-    kernels.write_headers(
-        np.empty((2, HEADER_SIZE), dtype=np.uint8),
-        x,
-        stats,
-        dtype=DType.F32,
-        header=Header(kind=Kind.DATA, job=1, step=0, bucket=0, shard=0, src=0, dst=1, phase=0),
-        chunk_elems=4,
-        key=TagKey.from_secret("warm-up"),
-        prio=np.zeros(2, dtype=np.uint8),
-        flags=np.zeros(2, dtype=np.uint8),
-    )

@@ -28,12 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from transport.allreduce import TransposeAllReduce, warm_up
+from transport.allreduce import TransposeAllReduce
 from transport.config import TransportConfig
 from transport.errors import ConfigError, TransferFailed
 from transport.pending import CollectiveResult, PendingCollectives
 from transport.rendezvous import Address, Rendezvous
 from transport.udp import UdpPaths, new_event_loop
+from transport.warm import warm_up
 
 __all__ = ["Engine", "default_local_addrs"]
 
@@ -131,7 +132,7 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine is closed")
         # Compile the kernels now, not inside the first collective's deadlines.
-        warm_up(keyed=bool(self.config.secret))
+        warm_up(keyed=bool(self.config.secret), udp=True)
         loop = self._loop = new_event_loop()
         self._thread = threading.Thread(
             target=self._run, args=(loop,), name=f"gradlane-engine-r{self.me}", daemon=True

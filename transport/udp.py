@@ -166,8 +166,6 @@ class UdpPaths:
         self._arena = arena if _mmsg.AVAILABLE else None
         self._rx_table: _mmsg.RecvTable | None = None
         self._tx_table = _mmsg.SendTable() if _mmsg.AVAILABLE else None
-        if self._tx_table is not None:
-            _mmsg.warm_up()  # now, not inside the first collective (a compile takes ~0.5 s)
         self.counters = UdpCounters()
         self._transports: list[asyncio.DatagramTransport] = []
         self._protocols: list[_SendProtocol] = []

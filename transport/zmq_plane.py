@@ -52,11 +52,12 @@ import zmq
 
 from scheduling.loss import LossConfig
 from scheduling.pacing import PacingConfig
-from transport.allreduce import TransposeAllReduce, warm_up
+from transport.allreduce import TransposeAllReduce
 from transport.config import TransportConfig
 from transport.errors import ConfigError, TransferFailed
 from transport.events import Datagram, flat
 from transport.pending import CollectiveResult, PendingCollectives
+from transport.warm import warm_up
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "ZmqDataPlane", "zmq_config"]
 

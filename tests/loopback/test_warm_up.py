@@ -1,4 +1,4 @@
-"""The start-up warm-up compiles every kernel a real collective uses.
+"""The start-up warm-up compiles every kernel a real collective uses, one process at a time.
 
 A kernel it misses compiles (or loads from numba's cache) inside the first collective: with a
 cold cache that stalled a 2-rank 25 MB all-reduce for 4.5 s while its peer's timers ran. The
@@ -8,13 +8,19 @@ too) in a fresh interpreter and lists the signatures compiled after ``Engine.sta
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from transport.warm import lock_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,3 +42,68 @@ def test_no_kernel_compiles_inside_a_collective():
     assert got["kernels"] >= 20, got  # the probe sees the project's kernels at all
     assert got["warmed"] >= 20, got
     assert got["new"] == {}, f"compiled inside a collective, not by the warm-up: {got['new']}"
+
+
+def _child(code: str) -> subprocess.Popen[str]:
+    prelude = "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + code],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _line_with(stream, text: str, timeout_s: float) -> str:
+    """The first line of ``stream`` that contains ``text`` (bounded wait), else ''."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([stream], [], [], left)
+        if not ready:
+            break
+        line = stream.readline()
+        if not line:
+            break
+        if text in line:
+            return line
+    return ""
+
+
+@contextlib.contextmanager
+def _holding_the_lock():
+    """This test holds the host's warm-up lock, as a compiling process would."""
+    fd = os.open(lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(600)
+def test_a_process_waits_for_another_compiling_then_warms_up():
+    with _holding_the_lock():
+        child = _child("from transport.warm import warm_up; warm_up(); print('warm', flush=True)")
+        try:
+            assert _line_with(child.stderr, "is compiling gradlane's kernels; waiting", 120)
+            assert child.poll() is None  # held by us: it cannot be past its turn
+        except BaseException:
+            child.kill()
+            child.communicate()
+            raise
+    out, err = child.communicate(timeout=540)
+    assert child.returncode == 0 and out.strip() == "warm", err[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_the_wait_for_another_compile_is_bounded():
+    with _holding_the_lock():
+        child = _child(
+            "from transport import warm\n"
+            "with warm._compile_turn(wait_s=0.3):\n    print('turn', flush=True)"
+        )
+        out, err = child.communicate(timeout=60)
+    assert child.returncode == 0 and out.strip() == "turn", err[-2000:]
+    assert "another process's compile; compiling" in err
