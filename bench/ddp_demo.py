@@ -31,8 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from transport.warm import warm_up
-
 __all__ = ["RUNS", "DemoError", "DemoOptions", "run_demo"]
 
 RUNS = ("gloo", "gradlane")
@@ -75,10 +73,6 @@ def run_demo(
         raise ValueError("the demo needs at least 2 ranks")
     if opts.steps <= opts.warmup_steps:
         raise ValueError(f"--steps must be more than the {opts.warmup_steps} warm-up steps")
-    # Compile the kernels once, here, into numba's on-disk cache, before the ranks start: they
-    # then load them. On a fresh install, four ranks compiling the same kernels side by side
-    # made the first demo take 77 s on 2 cores.
-    warm_up(udp=True)
     ctx = mp.get_context("spawn")
     up: Any = ctx.Queue()
     port = _free_port()

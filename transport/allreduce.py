@@ -40,12 +40,7 @@ from transport.events import (
     PeerTimedOut,
     TransferComplete,
 )
-from transport.packet import (
-    DType,
-    Phase,
-    TransferSpec,
-    chunk_counts,
-)
+from transport.packet import DType, Phase, TransferSpec, chunk_counts
 from transport.receiver import InKey
 from transport.sender import OutKey
 
