@@ -26,7 +26,11 @@ Each call's CPU time is measured too (user + system of the rank's process across
 ``getrusage``, summed over ranks): on a machine this small (2 cores) wall times swing by
 ±20% run to run while the CPU a collective costs is steadier, and with more ranks than cores
 it is what the wall time comes down to. ``summary.<transport>_cpu_vs_gloo`` holds its ratios
-(embedded transports only: a daemon's CPU is in another process).
+(embedded transports only: a daemon's CPU is in another process). The rows split it into
+user and system time (``cpu_user_median_s``, ``cpu_sys_median_s``): the system part is the
+kernel moving the bytes (sockets, copies), the user part the transport's own work (for
+gradlane the Python and the numba kernels, for gloo its C++), so the split tells which side a
+gap is on.
 
 Loopback on a shared machine: the numbers are informative, not a network measurement.
 """
@@ -169,7 +173,8 @@ def _timed_loop(
     """Interleave the transports per repetition; times are the max over ranks."""
     transports = ["gloo", *engines]
     times: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
-    cpu: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
+    # Per call: (user, system) CPU seconds of this rank's process.
+    cpu: dict[str, dict[int, list[tuple[float, float]]]] = {t: {} for t in transports}
     checks: dict[str, dict[int, Any]] = {t: {} for t in transports if t != "gloo"}
     # One untimed round first: numba loads its cached kernels and the engines their first
     # buffers on the first call, which would otherwise be the first repetition's outlier.
@@ -196,7 +201,7 @@ def _timed_loop(
                     c0, t0 = _cpu_s(), time.perf_counter()
                     dist.all_reduce(buf)
                     mine.append(time.perf_counter() - t0)
-                    spent.append(_cpu_s() - c0)
+                    spent.extend(_cpu_s() - c0)
                     gloo_result = buf.numpy()
                     continue
                 buf = data.copy()  # in place, as gloo's all_reduce (and its copy, untimed)
@@ -204,18 +209,18 @@ def _timed_loop(
                 c0, t0 = _cpu_s(), time.perf_counter()
                 res, report = engines[t].submit(step, 0, buf, out=buf).result(args["timeout"])
                 mine.append(time.perf_counter() - t0)
-                spent.append(_cpu_s() - c0)
+                spent.extend(_cpu_s() - c0)
                 if rep == 0:
                     assert gloo_result is not None  # gloo runs first in every repetition
                     checks[t][mb] = _check(t, rank, mb, res, report, gloo_result)
             # The step time of a collective is its slowest rank's; its CPU, every rank's.
             tt = torch.tensor(mine, dtype=torch.float64)
             dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-            cc = torch.tensor(spent, dtype=torch.float64)
+            cc = torch.tensor(spent, dtype=torch.float64).reshape(len(transports), 2)
             dist.all_reduce(cc, op=dist.ReduceOp.SUM)
             for t, v, c in zip(transports, tt.tolist(), cc.tolist(), strict=True):
                 times[t][mb].append(v)
-                cpu[t][mb].append(c)
+                cpu[t][mb].append((c[0], c[1]))
         # Gather every rank's correctness check for this size (rank 0 reports all).
         flags = torch.tensor(
             [0.0 if checks[t][mb]["ok"] else 1.0 for t in checks], dtype=torch.float64
@@ -234,10 +239,11 @@ def _timed_loop(
     return {"times": times, "cpu": cpu, "checks": checks}
 
 
-def _cpu_s() -> float:
-    """User + system CPU seconds of this process so far (every thread: engine loops included)."""
+def _cpu_s() -> np.ndarray:
+    """User and system CPU seconds of this process so far (every thread: engine loops
+    included), as a pair."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
+    return np.array([ru.ru_utime, ru.ru_stime])
 
 
 def _check(
@@ -410,8 +416,11 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     "gbps": mb * MB * 8 / med / 1e9 if med > 0 else math.nan,
                 }
                 if cs and t != "daemon":
-                    cpu_gloo = float(np.median(cpu["gloo"][mb_key]))
-                    row["cpu_median_s"] = float(np.median(cs))
+                    cpu_gloo = float(np.median(np.sum(cpu["gloo"][mb_key], axis=1)))
+                    split = np.asarray(cs, dtype=float)
+                    row["cpu_median_s"] = float(np.median(split.sum(axis=1)))
+                    row["cpu_user_median_s"] = float(np.median(split[:, 0]))
+                    row["cpu_sys_median_s"] = float(np.median(split[:, 1]))
                     row["cpu_ratio_to_gloo"] = (
                         row["cpu_median_s"] / cpu_gloo if cpu_gloo > 0 else math.nan
                     )
@@ -433,7 +442,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width text table."""
     head = (
         f"{'transport':<14}{'ranks':>6}{'MB':>7}{'median ms':>12}{'p99 ms':>10}{'x gloo':>9}"
-        f"{'Gb/s':>8}{'cpu ms':>9}{'cpu x':>7}  check"
+        f"{'Gb/s':>8}{'cpu ms':>9}{'user':>7}{'sys':>7}{'cpu x':>7}  check"
     )
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (r["ranks"], r["MB"], TRANSPORTS.index(r["transport"]))):
@@ -449,10 +458,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
         cpu_ms = r.get("cpu_median_s", math.nan) * 1e3
         cpu_x = r.get("cpu_ratio_to_gloo", math.nan)
+        user_ms = r.get("cpu_user_median_s", math.nan) * 1e3
+        sys_ms = r.get("cpu_sys_median_s", math.nan) * 1e3
         lines.append(
             f"{r['transport']:<14}{r['ranks']:>6}{r['MB']:>7g}{r['median_s'] * 1e3:>12.1f}"
             f"{r['p99_s'] * 1e3:>10.1f}{r['ratio_to_gloo']:>9.2f}{r['gbps']:>8.2f}"
-            f"{cpu_ms:>9.1f}{cpu_x:>7.2f}  {check}"
+            f"{cpu_ms:>9.1f}{user_ms:>7.1f}{sys_ms:>7.1f}{cpu_x:>7.2f}  {check}"
         )
     return "\n".join(lines)
 

@@ -9,7 +9,10 @@ acknowledgements, retransmissions, priorities, paths, pacing or integrity tags â
 datagram. It is what the interpreter and the kernel cost by themselves, so it bounds what any
 Python transport can reach here; gradlane's own all-reduce (``bench.allreduce``) adds its
 protocol on top. gloo's ``all_reduce`` runs in the same processes, interleaved, timed the same
-way (a gloo barrier, then the slowest rank's time). Loopback with 64 MiB socket buffers does
+way (a gloo barrier, then the slowest rank's time). Each call's user and system CPU time is
+measured too (``getrusage`` of the rank's process, summed over ranks; medians per row): the
+system part is the kernel's work of moving the bytes, which no user-space design avoids, the
+user part what the floor's Python and NumPy cost. Loopback with 64 MiB socket buffers does
 not drop; should a datagram be lost anyway the repetition times out after 5 s and is counted
 as ``lost_reps`` (its time is left out).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
 import select
 import socket
 import struct
@@ -98,6 +102,12 @@ def _exchange(
     return True
 
 
+def _cpu() -> tuple[float, float]:
+    """User and system CPU seconds of this process so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime, ru.ru_stime
+
+
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -121,6 +131,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> N
         data = np.random.default_rng([rank, n]).standard_normal(n).astype(np.float32)
         bounds = np.linspace(0, n, world + 1).astype(np.int64)
         times: dict[str, list[float]] = {"gloo": [], "udp_floor": []}
+        cpu: dict[str, list[list[float]]] = {"gloo": [], "udp_floor": []}  # (user, sys) sums
         lost = 0
         results: dict[str, np.ndarray] = {}
         for k in range(args["reps"] + 1):  # the first repetition warms up, untimed
@@ -128,18 +139,22 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> N
                 rep += 1
                 buf = data.copy()
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = _cpu(), time.perf_counter()
                 if name == "gloo":
                     dist.all_reduce(torch.from_numpy(buf))
                     ok = True
                 else:
                     ok = _exchange(sock, ports, rank, buf, bounds, rep)
+                c1 = _cpu()
                 if k == 0:
                     results[name] = buf  # the warm-up's sums, compared below
                 dt = torch.tensor([time.perf_counter() - t0, 0.0 if ok else 1.0])
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                dc = torch.tensor([c1[0] - c0[0], c1[1] - c0[1]], dtype=torch.float64)
+                dist.all_reduce(dc, op=dist.ReduceOp.SUM)
                 if k and dt[1] == 0.0:
                     times[name].append(float(dt[0]))
+                    cpu[name].append(dc.tolist())
                 elif k:
                     lost += 1
         # The floor must compute the same sum as gloo (else its time means nothing).
@@ -147,8 +162,16 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> N
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         if rank == 0:
             med = {t: float(np.median(v)) if v else float("nan") for t, v in times.items()}
+            split = {
+                t: np.median(np.asarray(v), axis=0) if v else np.full(2, np.nan)
+                for t, v in cpu.items()
+            }
             rows.append(
                 {
+                    "gloo_cpu_user_median_s": float(split["gloo"][0]),
+                    "gloo_cpu_sys_median_s": float(split["gloo"][1]),
+                    "floor_cpu_user_median_s": float(split["udp_floor"][0]),
+                    "floor_cpu_sys_median_s": float(split["udp_floor"][1]),
                     "ranks": world,
                     "MB": mb,
                     "gloo_median_s": med["gloo"],
@@ -194,12 +217,17 @@ def main(argv: list[str] | None = None) -> int:
                 proc.join(60)
                 if proc.is_alive():
                     proc.kill()
-    print(f"{'ranks x MB':>10}  {'gloo ms':>8}  {'floor ms':>8}  {'x gloo':>6}  lost  max err")
+    print(
+        f"{'ranks x MB':>10}  {'gloo ms':>8}  {'floor ms':>8}  {'x gloo':>6}  lost  max err"
+        "  CPU ms (user/sys, all ranks): gloo, floor"
+    )
     for r in rows:
         print(
             f"{r['ranks']:>4} x {r['MB']:<4g}  {1e3 * r['gloo_median_s']:8.1f}  "
             f"{1e3 * r['floor_median_s']:8.1f}  {r['ratio']:6.2f}  {r['lost_reps']:4d}  "
             f"{r['max_abs_err_vs_gloo']:.1e}"
+            f"  {1e3 * r['gloo_cpu_user_median_s']:.1f}/{1e3 * r['gloo_cpu_sys_median_s']:.1f}, "
+            f"{1e3 * r['floor_cpu_user_median_s']:.1f}/{1e3 * r['floor_cpu_sys_median_s']:.1f}"
         )
     summary = {"floor_vs_gloo": {f"{r['ranks']}x{r['MB']:g}": r["ratio"] for r in rows}}
     if a.json:

@@ -25,3 +25,6 @@ def test_udp_floor_benchmark_matches_gloo_and_writes_its_summary(tmp_path):
     assert row["lost_reps"] == 0
     assert row["max_abs_err_vs_gloo"] < 1e-5  # float32 sums of two ranks, order may differ
     assert row["floor_median_s"] > 0 and row["gloo_median_s"] > 0
+    for t in ("gloo", "floor"):  # the CPU split: measured, and some of it spent
+        user, sys_ = row[f"{t}_cpu_user_median_s"], row[f"{t}_cpu_sys_median_s"]
+        assert user >= 0 and sys_ >= 0 and user + sys_ > 0
