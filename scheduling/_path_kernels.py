@@ -28,6 +28,7 @@ __all__ = [
     "assign_spread",
     "probe_due",
     "sent_update",
+    "tick_due",
     "tick_update",
 ]
 
@@ -516,6 +517,48 @@ def tick_update(
             state[p] = _SUSPECT
             next_probe[p] = min(next_probe[p], now)
     return n_down
+
+
+@njit(cache=True, nogil=True)
+def _silent_until(since: float, span: float) -> float:
+    """The first time ``now`` with ``now - since >= span`` (tick_update's test): ``since +
+    span`` rounded may fall one ulp short of it."""
+    at = since + span
+    while at - since < span:
+        at = np.nextafter(at, np.inf)
+    return at
+
+
+@njit(cache=True, nogil=True)
+def tick_due(
+    state: np.ndarray,
+    last_progress: np.ndarray,
+    outstanding: np.ndarray,
+    loss: np.ndarray,
+    next_probe: np.ndarray,
+    suspect_after_s: float,
+    down_after_s: float,
+    loss_suspect: float,
+    probes: bool,
+) -> float:
+    """The earliest time at which :func:`tick_update` would move a path or, with ``probes``,
+    :func:`probe_due` find a probe due, as the paths stand (an ACK, a send or a loss changes
+    them); ``-inf``: now (a loss EWMA past ``loss_suspect``), ``inf``: never. The same sums as
+    those two, so at that time they act."""
+    best = np.inf
+    for p in range(state.shape[0]):
+        s = state[p]
+        busy = outstanding[p] > 0.0
+        if (busy or s == _SUSPECT) and s != _DOWN:
+            best = min(best, _silent_until(last_progress[p], down_after_s))
+        if s == _UP:
+            if loss[p] > loss_suspect:
+                return -np.inf
+            if busy:
+                best = min(best, _silent_until(last_progress[p], suspect_after_s))
+        elif probes:
+            best = min(best, next_probe[p])
+    return best
 
 
 @njit(cache=True, nogil=True)

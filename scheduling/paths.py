@@ -51,6 +51,7 @@ from scheduling._path_kernels import (
     assign_spread,
     probe_due,
     sent_update,
+    tick_due,
     tick_update,
 )
 from scheduling.errors import ConfigError
@@ -204,20 +205,13 @@ class PathSet:
         return float(due.min()) if due.size else None
 
     def next_tick_time(self) -> float | None:
-        """Earliest time :meth:`tick` may change a state without new feedback, or None.
+        """Earliest time :meth:`tick` may change a state without new feedback (``-inf``: at
+        once, a loss EWMA passed ``loss_suspect``), or None.
 
-        A driver re-arms its timer at ``min(next_tick_time(), next_probe_time())``.
+        A driver re-arms its timer at :meth:`next_due`, which adds :meth:`next_probe_time`.
         """
-        cfg = self.config
-        busy = self._outstanding > 0.0
-        up = self._state == PathState.UP
-        suspect = self._state == PathState.SUSPECT
-        t_suspect = np.where(up & busy, self._last_progress + cfg.suspect_after_s, np.inf)
-        t_down = np.where(
-            (up | suspect) & (busy | suspect), self._last_progress + cfg.down_after_s, np.inf
-        )
-        t = float(min(t_suspect.min(), t_down.min()))
-        return t if math.isfinite(t) else None
+        t = self._due(probes=False)
+        return t if t < math.inf else None
 
     def rtt_estimate(self, path: int) -> float:
         """Smoothed RTT of a path (seconds), or NaN before its first sample."""
@@ -426,6 +420,29 @@ class PathSet:
             self._went_down,
         )
         return self._went_down[:n_down].tolist() if n_down else []
+
+    def next_due(self) -> float:
+        """When :meth:`tick` or :meth:`probes_due` will next have something to do, as the paths
+        stand now (ACKs, sends and losses change that): a time, ``-inf`` for at once, or
+        ``inf`` for never. The sender's tick waits for it instead of running every
+        millisecond while it waits for peers."""
+        return self._due(probes=True)
+
+    def _due(self, probes: bool) -> float:
+        cfg = self.config
+        return float(
+            tick_due(
+                self._state,
+                self._last_progress,
+                self._outstanding,
+                self._loss,
+                self._next_probe,
+                cfg.suspect_after_s,
+                cfg.down_after_s,
+                cfg.loss_suspect,
+                probes,
+            )
+        )
 
     def probes_due(self, now: float) -> list[int]:
         """SUSPECT or DOWN paths whose next probe is due; marks those probes as sent."""

@@ -19,7 +19,9 @@ ABANDONED) ACKED and returns, for the caller's Python side, everything it passes
 * the RACK losses: per path × class lane, the newest send time acknowledged now less the
   reorder window; INFLIGHT chunks sent before that are lost.
 
-:func:`timed_out` is the sender's retransmission-timeout scan of one transfer (every tick).
+:func:`timed_out` is the sender's retransmission-timeout scan of one transfer (every tick), and
+:func:`rack_due` its RACK scan; :func:`next_due` is when either will next find a chunk (the
+sender ticks then, not every millisecond while it waits).
 
 Arithmetic is exactly the numpy formulation's: the same subtractions, ``np.maximum``'s NaN
 propagation for the newest send time, integer sums. Exact IEEE (no fastmath).
@@ -212,6 +214,43 @@ def rack_due(
             out[n] = c
             n += 1
     return n
+
+
+@njit(**EXACT)
+def next_due(
+    state: np.ndarray,
+    sent_at: np.ndarray,
+    tx_seq: np.ndarray,
+    path: np.ndarray,
+    prio: np.ndarray,
+    n_classes: int,
+    lane_seq: np.ndarray,
+    lane_at: np.ndarray,
+    deadline_shift: float,
+    rtos: np.ndarray,
+    backoff: float,
+    since: float,
+    timeouts: bool,
+) -> float:
+    """The earliest time at which :func:`rack_due` (with ``deadline_shift``) or, with
+    ``timeouts``, :func:`timed_out` (with ``rtos``, ``backoff``, ``since``) would return an
+    INFLIGHT chunk of this transfer, unless an ACK or a send changes its state first; ``inf``
+    when neither ever will. The same sums as the scans, so at that time they find the chunk."""
+    best = np.inf
+    for c in range(state.shape[0]):
+        if state[c] != INFLIGHT:
+            continue
+        p = np.int64(path[c])
+        lane = p * n_classes + np.int64(prio[c])
+        if lane < 0 or lane >= lane_seq.shape[0]:
+            raise ValueError("next_due: a chunk's lane is outside the lane tables")
+        if tx_seq[c] < lane_seq[lane]:
+            best = min(best, lane_at[lane] + deadline_shift)
+        if timeouts:
+            if p < 0 or p >= rtos.shape[0]:
+                raise ValueError("next_due: a chunk's path is outside the RTO table")
+            best = min(best, max(sent_at[c], since) + rtos[p] * backoff)
+    return best
 
 
 @njit(**EXACT)

@@ -41,6 +41,7 @@ import numpy as np
 from scheduling.loss import LossPolicy
 from scheduling.priority import PriorityPolicy
 from transport import kernels
+from transport._kernels_ack import next_due, rack_due, timed_out
 from transport.config import TransportConfig
 from transport.events import DatagramRun
 from transport.packet import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Phase, chunk_counts
@@ -161,7 +162,7 @@ class OutTransfer:
         self.sent_at = np.zeros(n, dtype=np.float64)
         # Transmission order (RACK by sequence): a batch leaves at one timestamp, so send times
         # cannot tell which of its chunks went first. Per lane (path × class), the newest
-        # acknowledged sequence and when it was learned (SenderCore._rack).
+        # acknowledged sequence and when it was learned (:meth:`rack_lost`).
         self.tx_seq = np.zeros(n, dtype=np.int64)
         self.next_tx_seq = 0
         n_lanes = cfg.n_paths * cfg.priority.n_classes
@@ -264,6 +265,82 @@ class OutTransfer:
         came."""
         first = self.tx_seq[(self.state == ACKED) & (self.tx == 1)]
         return idx[self.tx_seq[idx] < first.max()] if first.size else idx[:0]
+
+    def rack_lost(self, n_classes: int, reorder_window_s: float, now: float) -> np.ndarray:
+        """In-flight chunks sent before a chunk of their lane that was acknowledged at least
+        ``reorder_window_s`` ago (RACK, RFC 8985, ordered by transmission sequence).
+
+        A lane is one path and one class (one socket and TOS, one queue of a priority
+        network; lanes are path × ``n_classes``): in it, a chunk overtaken by a later one for
+        that long is lost. The ACK-time check (kernels.apply_ack) compares send times, and a
+        batch's chunks share one: a chunk lost from the middle of a batch waited for the
+        retransmission timeout (about 10 ms on a loaded 2-core host) instead of the window.
+        """
+        if not self.n_inflight:
+            return np.empty(0, dtype=np.int64)
+        out = np.empty(self.n_chunks, dtype=np.int64)
+        n = rack_due(self.state, self.tx_seq, self.path, self.prio, n_classes, self.lane_seq,
+                     self.lane_at, reorder_window_s, now, out)  # fmt: skip
+        return out[:n]
+
+    def timed_out(self, path_rtos: np.ndarray, now: float) -> np.ndarray:
+        """In-flight chunks older than their own path's retransmission timeout (``path_rtos``,
+        backed off; none while the receiver holds the transfer)."""
+        if not self.n_inflight or self.held:
+            return np.empty(0, dtype=np.int64)
+        out = np.empty(self.n_chunks, dtype=np.int64)
+        n = timed_out(self.state, self.sent_at, self.path, path_rtos, self.rto_backoff,
+                      self.rto_since, now, out)  # fmt: skip
+        return out[:n]
+
+    def next_due(
+        self, path_rtos: np.ndarray, rto: float, n_classes: int, reorder_window_s: float
+    ) -> float:
+        """When the sender's tick will next have work for this transfer as it stands (an ACK,
+        NACK or send changes that): its hard deadline, a RACK loss or retransmission timeout
+        (:func:`~transport._kernels_ack.next_due`: the same sums as :meth:`rack_lost` and
+        :meth:`timed_out`, so at that time they find it), a manifest or FIN to repeat.
+        ``path_rtos`` are the peer's per-path timeouts, ``rto`` the transfer's (not backed
+        off) one for control repeats; lanes are path × ``n_classes``."""
+        if self.done:
+            return np.inf
+        due = min(self.hard_deadline, next_due(
+            self.state, self.sent_at, self.tx_seq, self.path, self.prio, n_classes,
+            self.lane_seq, self.lane_at, reorder_window_s, path_rtos, self.rto_backoff,
+            self.rto_since, not self.held))  # fmt: skip
+        rto = rto * self.rto_backoff
+        if not self.manifest_acked:
+            due = min(due, self.manifest_sent_at + rto)
+        if (self.abandoned_elems and not (self.n_lost or self.n_inflight)
+                and self.cursor >= self.n_chunks):  # fmt: skip
+            due = min(due, self.fin_sent_at + rto)  # SenderCore._maybe_fin's condition
+        return float(due)
+
+    def probe_answered(self, acked: np.ndarray) -> np.ndarray:
+        """An ACK after a timeout's probe (``SenderCore._on_timeout``) newly acknowledged
+        ``acked``; returns the chunks now known lost.
+
+        An original sent before the probes among them: the late chunks are arriving, the
+        timeout was spurious, and the round ends (nothing lost). Else, for each probe's chunk
+        among them, the probe came through its path and nothing sent before it there did:
+        those chunks are lost now (RACK would wait a reorder window more, though the probe
+        left a whole RTO after them). Paths whose probe did not come wait for the next timeout.
+        """
+        none = np.empty(0, dtype=np.int64)
+        if ((self.tx[acked] == 1) & (self.sent_at[acked] < self.probe_at)).any():
+            self.probe_at, self.probes = np.inf, none
+            return none
+        came = np.isin(self.probes, acked)
+        if not came.any():
+            return none
+        lost = np.zeros(self.n_chunks, dtype=bool)
+        for p in self.probes[came].tolist():  # one probe per path: the sets are disjoint
+            on_path = (self.state == INFLIGHT) & (self.path == self.path[p])
+            lost |= on_path & (self.sent_at <= self.sent_at[p])
+        self.probes = self.probes[~came]
+        if not self.probes.size:
+            self.probe_at = np.inf
+        return lost.nonzero()[0]
 
     def outstanding(self) -> bool:
         """True while some chunk is neither acknowledged nor abandoned."""

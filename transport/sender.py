@@ -33,7 +33,7 @@ from scheduling.pacing import Pacer
 from scheduling.paths import PathSet
 from scheduling.priority import MAX_CLASSES, PriorityPolicy
 from transport import kernels
-from transport._kernels_ack import note_sent, rack_due, timed_out
+from transport._kernels_ack import note_sent
 from transport.config import TransportConfig
 from transport.events import Datagram, DatagramRun, SenderReport
 from transport.outgoing import (
@@ -108,6 +108,7 @@ class SenderCore:
         self._srtt = np.nan
         self._rttvar = np.nan
         self._tick_at = np.inf
+        self._tick_last = np.inf  # the grid's anchor: the last tick (or a first start)
         self._pace_at = np.inf
         self.nic: Pacer | None = None
         if config.nic_rate_Bps > 0:
@@ -165,7 +166,9 @@ class SenderCore:
         if not t.manifest_acked:
             self._queue_manifest(t, now)
         self._sendable.add(key)
-        self._tick_at = min(self._tick_at, now + self.config.tick_s)
+        if len(self.transfers) == 1:  # the only one: the tick grid starts here
+            self._tick_last, self._tick_at = now, now + self.config.tick_s
+        self._wake(now)
         return t
 
     def report(self, step: int, bucket: int) -> SenderReport:
@@ -217,6 +220,7 @@ class SenderCore:
         if span is None:
             return
         t, _ = span
+        self._wake(now)
         if t.held:  # the receiver started: its ACKs come now, the timeouts run from here
             t.held, t.rto_since = False, now
         if manifest:
@@ -270,7 +274,9 @@ class SenderCore:
         if r.lost.size:
             self._declare_lost(t, r.lost, now)
         if t.probe_at < np.inf:
-            self._probe_answered(t, r.idx, now)
+            lost = t.probe_answered(r.idx)
+            if lost.size:
+                self._declare_lost(t, lost, now)
         if not t.outstanding() and t.abandoned_elems == 0:
             self._retire(t)
         else:
@@ -302,6 +308,7 @@ class SenderCore:
         if span is None:
             return
         t, end = span
+        self._wake(now)
         idx = bits[: end - base].nonzero()[0] + base
         ps = self.paths[key.dst]
         evidence = 0 <= newest < t.n_chunks
@@ -351,6 +358,7 @@ class SenderCore:
         sent = self._probe_sent.get((peer, path))
         if sent is not None and sent[0] == seq and peer in self.paths:
             self.paths[peer].on_probe_ack(path, now, now - sent[1])
+            self._wake(now)
 
     # -- output ------------------------------------------------------------------------------
     def datagrams_to_send(self, now: float) -> list[Datagram | DatagramRun]:
@@ -433,11 +441,18 @@ class SenderCore:
         return None if best == np.inf else float(best)
 
     def handle_timer(self, now: float) -> None:
-        """Housekeeping: retransmission timeouts, path health, resends, deadlines, probes."""
+        """Housekeeping: retransmission timeouts, path health, resends, deadlines, probes.
+
+        It runs on a grid of ``tick_s`` from the last tick: at the next point while anything
+        happens (ACKs, NACKs, sends: :meth:`_wake`), else at the first point when something
+        can be due. A sender waiting on a busy peer ticked a thousand times a second for
+        nothing (~0.3 ms each, 15 times per DDP step at 4 ranks on 2 cores). The ticks it
+        skips would have found nothing, and those it runs fall where they fell, so the
+        protocol acts at the same times as when it ticked every ``tick_s``."""
         self._now = now
         if now < self._tick_at:
             return
-        self._tick_at = now + self.config.tick_s if self.transfers else np.inf
+        self._tick_last = now
         peers = {t.key.dst for t in self.transfers.values()}
         for peer in peers:
             self.paths[peer].tick(now)
@@ -447,18 +462,44 @@ class SenderCore:
                 log.debug("sender gives up %s at the hard deadline", t.key)
                 self._retire(t)
                 continue
-            reordered = self._rack(t, now)
+            reordered = t.rack_lost(len(self._tos), self.config.reorder_window_s, now)
             if reordered.size:
                 self._declare_lost(t, reordered, now)
-            late = self._timed_out(t, now, rtos[t.key.dst])
+            late = t.timed_out(rtos[t.key.dst], now)
             if late.size:
                 self._on_timeout(t, late, now)
             if not t.manifest_acked and now >= t.manifest_sent_at + self._rto(t):
                 self._queue_manifest(t, now)
             self._maybe_fin(t, now)
         self._probe(now, peers)
-        if not self.transfers:
-            self._tick_at = np.inf
+        due = np.inf
+        for peer in {t.key.dst for t in self.transfers.values()}:  # what the tick left
+            rto = max(float(rtos[peer][q]) for q in self._usable(peer))
+            due = min(due, self.paths[peer].next_due(), *(
+                t.next_due(rtos[peer], rto, len(self._tos), self.config.reorder_window_s)
+                for t in self.transfers.values() if t.key.dst == peer))  # fmt: skip
+        self._tick_at = self._on_grid(due) if self.transfers else np.inf
+
+    def _wake(self, now: float) -> None:
+        """Something changed (an ACK, NACK, probe answer, send or new transfer): tick at the
+        grid's next point, which then works out when it is next needed."""
+        self._tick_at = min(self._tick_at, self._on_grid(now))
+
+    def _on_grid(self, at: float) -> float:
+        """The first tick of the grid after the last one, ``_tick_last + k * tick_s``
+        (k >= 1), at or after ``at``; summed step by step as ticks in a row sum it (so a
+        run of skipped ticks changes no time), far off at once."""
+        step = self.config.tick_s
+        t = self._tick_last + step
+        if not t < at:  # the next point (and inf, NaN)
+            return t
+        if at == np.inf:
+            return at
+        if at - t > 64 * step:
+            t += (np.floor((at - t) / step) - 1.0) * step
+        while t < at:
+            t += step
+        return float(t)
 
     # -- internals ---------------------------------------------------------------------------
     def _stats(self, step: int, bucket: int) -> _ClassStats:
@@ -483,32 +524,6 @@ class SenderCore:
         ahead = newest > t.lane_seq
         t.lane_seq[ahead] = newest[ahead]
         t.lane_at[ahead] = now
-
-    def _rack(self, t: OutTransfer, now: float) -> np.ndarray:
-        """In-flight chunks sent before a chunk of their lane that was acknowledged at least
-        ``reorder_window_s`` ago (RACK, RFC 8985, ordered by transmission sequence).
-
-        A lane is one path and one class (one socket and TOS, one queue of a priority
-        network): in it, a chunk overtaken by a later one for that long is lost. The ACK-time
-        check (kernels.apply_ack) compares send times, and a batch's chunks share one: a chunk
-        lost from the middle of a batch waited for the retransmission timeout (about 10 ms on
-        a loaded 2-core host) instead of the reorder window.
-        """
-        if not t.n_inflight:
-            return np.empty(0, dtype=np.int64)
-        out = np.empty(t.n_chunks, dtype=np.int64)
-        n = rack_due(t.state, t.tx_seq, t.path, t.prio, len(self._tos), t.lane_seq, t.lane_at,
-                     self.config.reorder_window_s, now, out)  # fmt: skip
-        return out[:n]
-
-    def _timed_out(self, t: OutTransfer, now: float, path_rtos: np.ndarray) -> np.ndarray:
-        """In-flight chunks older than their own path's retransmission timeout (``path_rtos``:
-        :meth:`_path_rtos` of the transfer's peer)."""
-        if not t.n_inflight or t.held:
-            return np.empty(0, dtype=np.int64)
-        out = np.empty(t.n_chunks, dtype=np.int64)
-        n = timed_out(t.state, t.sent_at, t.path, path_rtos, t.rto_backoff, t.rto_since, now, out)
-        return out[:n]
 
     def _path_rtos(self, peer: int) -> np.ndarray:
         """Per-path RTO toward ``peer``; a path with no RTT sample yet borrows the largest RTO
@@ -543,7 +558,7 @@ class SenderCore:
         backed off. On a loaded host a timeout mostly means a receiver that has not read its
         socket yet: resending everything late to it doubled the queue it was behind on (40 to
         100 chunks of 64 KB per timeout at 4 x 25 MB on 2 cores). The ACKs that follow tell
-        (:meth:`_probe_answered`): originals still arriving end the round (a spurious
+        (:meth:`OutTransfer.probe_answered`): originals still arriving end the round (a spurious
         timeout); a probe arriving alone means what was sent before it on its path is lost.
         When neither shows by the next timeout, the late chunks are lost, declared as before;
         a dead path is left then, as resends take healthy paths.
@@ -581,29 +596,6 @@ class SenderCore:
         # Exponential backoff for consecutive timeouts (RFC 6298); any acknowledgement resets it.
         t.rto_backoff = min(t.rto_backoff * 2.0, 64.0)
         self._declare_lost(t, late, now)
-
-    def _probe_answered(self, t: OutTransfer, acked: np.ndarray, now: float) -> None:
-        """An ACK after a timeout's probe (:meth:`_on_timeout`) newly acknowledged ``acked``.
-
-        An original sent before the probes among them: the late chunks are arriving, the
-        timeout was spurious, and the round ends. Else, for each probe's chunk among them, the
-        probe came through its path and nothing sent before it there did: those chunks are
-        lost now (RACK would wait a reorder window more, though the probe left a whole RTO
-        after them). Paths whose probe did not come wait for the next timeout.
-        """
-        if ((t.tx[acked] == 1) & (t.sent_at[acked] < t.probe_at)).any():
-            t.probe_at, t.probes = np.inf, _NO_CHUNKS
-            return
-        came = np.isin(t.probes, acked)
-        if not came.any():
-            return
-        for p in t.probes[came].tolist():
-            lost = (t.state == INFLIGHT) & (t.path == t.path[p]) & (t.sent_at <= t.sent_at[p])
-            if lost.any():
-                self._declare_lost(t, lost.nonzero()[0], now)
-        t.probes = t.probes[~came]
-        if not t.probes.size:
-            t.probe_at = np.inf
 
     def _declare_lost(self, t: OutTransfer, idx: np.ndarray, now: float) -> None:
         """In-flight chunks presumed lost: tolerate what the budget allows (never protected),
@@ -701,6 +693,7 @@ class SenderCore:
         )  # fmt: skip
         t.n_inflight += fit
         t.n_lost -= n_retx
+        self._wake(now)
         t.tx_seq[chunks] = np.arange(t.next_tx_seq, t.next_tx_seq + fit)
         t.next_tx_seq += fit
         t.advance_cursor()

@@ -267,3 +267,59 @@ def test_rack_due_matches_its_numpy_statement(
         (state == outgoing.INFLIGHT) & (tx_seq < lane_seq[lane]) & (lane_at[lane] + window <= now)
     )
     assert got.tolist() == want.tolist()
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31),
+    n=st.integers(0, 120),
+    n_paths=st.integers(1, 3),
+    n_classes=st.integers(1, 4),
+    window=st.sampled_from([0.0, 5e-4, 1e-3]),
+    backoff=st.sampled_from([1.0, 2.0, 64.0]),
+    since=st.sampled_from([-np.inf, 0.0, 1e-3, 3e-3]),
+    timeouts=st.booleans(),
+)
+def test_next_due_is_when_a_scan_first_finds_a_chunk(
+    seed, n, n_paths, n_classes, window, backoff, since, timeouts
+) -> None:
+    """Just before next_due neither the RACK scan nor (with ``timeouts``) the timeout scan
+    returns a chunk; at it, one of them does; ``inf`` only when neither ever will."""
+    rng = np.random.default_rng(seed)
+    t = transfer(seed, n, n_paths, n_classes, nan_times=False)
+    tx_seq = rng.permutation(n).astype(np.int64)
+    lanes = n_paths * n_classes
+    lane_seq = rng.integers(-1, max(n, 1), lanes).astype(np.int64)
+    lane_at = rng.choice(np.array([np.inf, 0.0, 1e-3, 1.5e-3, 2e-3]), lanes)
+    rtos = rng.choice(np.array([1e-3, 2e-3, 0.2]), n_paths)
+    due = _kernels_ack.next_due(
+        t["state"], t["sent_at"], tx_seq, t["path"], t["prio"], n_classes, lane_seq, lane_at,
+        window, rtos, backoff, since, timeouts,
+    )  # fmt: skip
+
+    def found(now: float) -> int:
+        out = np.empty(n, dtype=np.int64)
+        k = _kernels_ack.rack_due(t["state"], tx_seq, t["path"], t["prio"], n_classes,
+                                  lane_seq, lane_at, window, now, out)  # fmt: skip
+        if timeouts:
+            k += _kernels_ack.timed_out(t["state"], t["sent_at"], t["path"], rtos, backoff,
+                                        since, now, out)  # fmt: skip
+        return k
+
+    if due == np.inf:
+        assert found(1e300) == 0
+    else:
+        assert found(due) > 0
+        assert found(np.nextafter(due, -np.inf)) == 0
+
+
+def test_next_due_refuses_chunks_outside_its_tables() -> None:
+    state = np.array([outgoing.INFLIGHT], dtype=np.uint8)
+    args = (state, np.zeros(1), np.zeros(1, np.int64), np.array([2], np.int16),
+            np.zeros(1, np.uint8), 1)  # fmt: skip
+    with pytest.raises(ValueError, match="lane tables"):
+        _kernels_ack.next_due(*args, np.zeros(2, np.int64), np.zeros(2), 0.0, np.ones(3), 1.0,
+                              -np.inf, True)  # fmt: skip
+    with pytest.raises(ValueError, match="RTO table"):
+        _kernels_ack.next_due(*args, np.zeros(3, np.int64), np.zeros(3), 0.0, np.ones(2), 1.0,
+                              -np.inf, True)  # fmt: skip

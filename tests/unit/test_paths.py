@@ -627,3 +627,47 @@ def test_sampled_marks_the_paths_with_an_rtt_sample() -> None:
     ps.on_acked(np.array([1]), np.array([100.0]), 0.002, rtt=np.array([0.002]))
     assert ps.sampled().tolist() == [False, True, False]
     assert np.isnan(ps.rtt_estimate(0)) and not np.isnan(ps.rtt_estimate(1))
+
+
+@DETERMINISTIC
+@given(
+    paths=st.lists(
+        st.tuples(
+            st.sampled_from([int(s) for s in PathState]),
+            st.sampled_from([0.0, 0.1, 0.35, 0.5]),  # last progress
+            st.sampled_from([0.0, 1000.0]),  # outstanding bytes
+            st.sampled_from([0.0, 0.2, 0.5, 0.7]),  # loss EWMA
+            st.sampled_from([np.inf, 0.2, 0.9]),  # next probe
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_next_due_is_when_tick_or_a_probe_first_acts(paths) -> None:
+    """Just before next_due, tick moves no path and no probe is due; at it, one of them acts
+    (``-inf``: a tick now would; ``inf``: nothing ever will without feedback). next_tick_time
+    is the same without the probes."""
+    cfg = PathConfig(suspect_after_s=0.2, down_after_s=0.6, loss_suspect=0.5)
+
+    def fresh() -> PathSet:
+        ps = PathSet(len(paths), cfg, np.random.default_rng(0))
+        for a, col in zip((ps._state, ps._last_progress, ps._outstanding, ps._loss,
+                           ps._next_probe), zip(*paths, strict=True), strict=True):  # fmt: skip
+            a[:] = col
+        return ps
+
+    def acts(now: float, probes: bool = True) -> bool:
+        ps = fresh()
+        before = ps._state.copy()
+        ps.tick(now)
+        return bool((ps._state != before).any() or (probes and ps.probes_due(now)))
+
+    due = fresh().next_due()
+    tick = fresh().next_tick_time()
+    for when, probes in ((due, True), (np.inf if tick is None else tick, False)):
+        if when == np.inf:
+            assert not acts(1e9, probes)
+        elif when == -np.inf:
+            assert acts(0.0, probes)
+        else:
+            assert acts(when, probes) and not acts(np.nextafter(when, -np.inf), probes)
