@@ -16,8 +16,13 @@ hook (no communication: the step's compute alone, for headroom). After warm-up s
 (DDP's bucket rebuild, first allocations), each measured step runs every variant once, the
 order rotating from step to step, each behind a barrier; a rank times forward + backward +
 optimizer step, and the step time is the slowest rank's (a gloo MAX all-reduce of the times).
+Each step's CPU time is measured too (user + system of every rank's process over the step, its
+engine threads included, summed over ranks): with more ranks than cores it is what the step
+time comes down to, and it swings less than the time (``summary.cpu_ratio_vs_default``).
 All variants see the same batches, so their models stay equal: the largest parameter gap to
 the default's is reported as the correctness check (it fails the run above ``1e-4``).
+For the UDP engine the rows also give its loop thread's CPU and timer wakeups per measured
+step and rank (``engine_per_step``: the engine's own cost, apart from the training's).
 
 Loopback on a shared machine: the figures compare transports in the same run; they are not a
 network measurement.
@@ -31,6 +36,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import resource
 import socket
 import sys
 import time
@@ -113,22 +119,29 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             ddps[v].register_comm_hook(state, gradlane_hook)
         grad_bytes = sum(p.numel() * p.element_size() for p in models["default"].parameters())
         times: dict[str, list[float]] = {v: [] for v in variants}
+        cpu: dict[str, list[float]] = {v: [] for v in variants}
         total = args["warmup"] + args["steps"]
+        loop0: dict[str, Any] = {}
         for step in range(total):
+            if step == args["warmup"]:
+                loop0 = {v: _loop_stats(st) for v, st in states.items()}
             g = torch.Generator().manual_seed(args["seed"] * 1_000_003 + rank * 1009 + step)
             x = torch.randn(args["batch"], 64, generator=g)
             y = torch.randint(0, 10, (args["batch"],), generator=g)
             k = step % len(variants)
             for v in variants[k:] + variants[:k]:  # rotate the order every step
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = _cpu_s(), time.perf_counter()
                 opts[v].zero_grad(set_to_none=True)
                 torch.nn.functional.cross_entropy(ddps[v](x), y).backward()
                 opts[v].step()
                 took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                spent = torch.tensor([_cpu_s() - c0], dtype=torch.float64)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                dist.all_reduce(spent, op=dist.ReduceOp.SUM)
                 if step >= args["warmup"]:
                     times[v].append(float(took))
+                    cpu[v].append(float(spent))
         ref = torch.cat([p.detach().reshape(-1) for p in models["default"].parameters()])
         gaps = {}
         for v in args["transports"]:
@@ -138,11 +151,42 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             gaps[v] = float(gap)
         # The hook's own view: from the first bucket handed over to the last one reduced.
         comm = {v: st.stats()["comm_s"]["p50"] for v, st in states.items()}
+        # The UDP engine's loop thread per measured step, mean over ranks: its CPU (whatever
+        # variant's step it served it in) and its timer wakeups.
+        engine = {}
+        for v, st in states.items():
+            now, then = _loop_stats(st), loop0.get(v)
+            if now is None or then is None:
+                continue
+            per = torch.tensor([now[0] - then[0], now[1] - then[1]], dtype=torch.float64)
+            dist.all_reduce(per, op=dist.ReduceOp.SUM)
+            per /= world * args["steps"]
+            engine[v] = {"cpu_s": float(per[0]), "timer_passes": float(per[1])}
         dist.barrier()  # every rank is past its last step before the engines close
     finally:
         for state in states.values():
             state.close()
-    return {"times": times, "param_gap": gaps, "grad_bytes": grad_bytes, "hook_comm_p50_s": comm}
+    return {
+        "times": times,
+        "cpu": cpu,
+        "param_gap": gaps,
+        "grad_bytes": grad_bytes,
+        "hook_comm_p50_s": comm,
+        "engine_per_step": engine,
+    }
+
+
+def _loop_stats(state: Any) -> tuple[float, float] | None:
+    """The data plane's loop-thread CPU seconds and timer wakeups so far (the UDP engine's
+    ``stats()["loop"]``; None for planes without one)."""
+    loop = state.stats(plane=True)["plane"].get("loop")
+    return None if loop is None or loop["cpu_s"] is None else (loop["cpu_s"], loop["timer_passes"])
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far (every thread: the engines' included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 # -- parent ----------------------------------------------------------------------------------------
@@ -191,11 +235,13 @@ def run_world(world: int, args: dict[str, Any]) -> dict[str, Any]:
 def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Rows per (variant, ranks) and the summary ratios (median step time / default's)."""
     rows = []
-    summary: dict[str, dict[str, float]] = {"step_ratio_vs_default": {}}
+    summary: dict[str, dict[str, float]] = {"step_ratio_vs_default": {}, "cpu_ratio_vs_default": {}}
     for world, out in sorted(per_world.items()):
         base = float(np.median(out["times"]["default"]))
+        cpu_base = float(np.median(out["cpu"]["default"]))
         for v, xs in out["times"].items():
             med = float(np.median(xs))
+            cpu = float(np.median(out["cpu"][v]))
             rows.append(
                 {
                     "variant": v,
@@ -205,14 +251,19 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     "min_s": float(np.min(xs)),
                     "steps": len(xs),
                     "ratio_to_default": med / base,
+                    "cpu_median_s": cpu,
+                    "cpu_ratio_to_default": cpu / cpu_base,
                     "param_gap": out["param_gap"].get(v, 0.0),
                     "hook_comm_p50_s": out["hook_comm_p50_s"].get(v),
+                    "engine_per_step": out.get("engine_per_step", {}).get(v),
                 }
             )
             if v == "udp":
                 summary["step_ratio_vs_default"][str(world)] = med / base
+                summary["cpu_ratio_vs_default"][str(world)] = cpu / cpu_base
             elif v not in ("default", NOOP):
                 summary.setdefault(f"step_ratio_vs_default_{v}", {})[str(world)] = med / base
+                summary.setdefault(f"cpu_ratio_vs_default_{v}", {})[str(world)] = cpu / cpu_base
     return {"rows": rows, "summary": summary}
 
 
@@ -220,17 +271,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width text table."""
     head = (
         f"{'hook':<18}{'ranks':>6}{'median ms':>11}{'p90 ms':>9}{'x default':>11}"
-        f"{'hook comm ms':>14}  param gap"
+        f"{'cpu ms':>9}{'cpu x':>7}{'hook comm ms':>14}{'engine ms':>11}{'timers':>8}  param gap"
     )
     lines = [head, "-" * len(head)]
     names = {"default": "default (gloo)", "udp": "gradlane udp", "zmq": "gradlane zmq",
              NOOP: "no-op (no comm)"}  # fmt: skip
     for r in rows:
-        comm = r["hook_comm_p50_s"]
+        comm, eng = r["hook_comm_p50_s"], r.get("engine_per_step")
+        eng_ms = "" if eng is None else f"{eng['cpu_s'] * 1e3:.1f}"
+        timers = "" if eng is None else f"{eng['timer_passes']:.1f}"
         lines.append(
             f"{names[r['variant']]:<18}{r['ranks']:>6}{r['median_s'] * 1e3:>11.1f}"
             f"{r['p90_s'] * 1e3:>9.1f}{r['ratio_to_default']:>11.2f}"
-            f"{'' if comm is None else f'{comm * 1e3:.1f}':>14}  "
+            f"{r['cpu_median_s'] * 1e3:>9.1f}{r['cpu_ratio_to_default']:>7.2f}"
+            f"{'' if comm is None else f'{comm * 1e3:.1f}':>14}{eng_ms:>11}{timers:>8}  "
             f"{'-' if r['variant'] == NOOP else format(r['param_gap'], '.1e')}"
         )
     return "\n".join(lines)

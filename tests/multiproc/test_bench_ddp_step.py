@@ -22,9 +22,15 @@ def test_ddp_step_benchmark_writes_its_summary(tmp_path):
     doc = json.loads(path.read_text())
     assert set(doc["summary"]["step_ratio_vs_default"]) == {"2"}
     assert set(doc["summary"]["step_ratio_vs_default_zmq"]) == {"2"}
+    assert set(doc["summary"]["cpu_ratio_vs_default"]) == {"2"}
     assert doc["config"]["grad_bytes"] >= 25_000_000
     rows = {r["variant"]: r for r in doc["rows"]}
     assert set(rows) == {"default", "udp", "zmq", "noop"}
     for v in ("udp", "zmq"):
         assert rows[v]["param_gap"] <= ddp_step.MAX_PARAM_GAP
         assert rows[v]["hook_comm_p50_s"] > 0
+    for r in rows.values():  # every rank's process spent CPU on its step
+        assert r["cpu_median_s"] > 0
+    eng = rows["udp"]["engine_per_step"]  # the UDP engine's loop thread, per step and rank
+    assert eng["cpu_s"] > 0 and eng["timer_passes"] >= 0
+    assert rows["zmq"]["engine_per_step"] is None
