@@ -110,8 +110,14 @@ def test_a_timeout_fires_when_due_with_nothing_else_happening():
     assert len([t for t in ticks if t0 + 0.001 <= t < t0 + 0.04]) < 20  # not one per ms
 
 
+#: The defaults (one path, no rate cap), and the simulator's kind of host: two paths sprayed,
+#: a paced NIC, received datagrams coalesced for 20 µs.
+PATHS_AND_PACING = {"n_paths": 2, "nic_rate_Bps": 2e7, "rx_coalesce_s": 20e-6}
+
+
 @pytest.mark.parametrize("bound", [0.0, 0.05])
-def test_skipped_ticks_change_nothing_on_the_wire(monkeypatch, bound):
+@pytest.mark.parametrize("cfg", [{}, PATHS_AND_PACING], ids=["defaults", "paths+pacing"])
+def test_skipped_ticks_change_nothing_on_the_wire(monkeypatch, bound, cfg):
     """The same lossy, reordering run twice (three collectives, then one whose last rank
     starts late): once with the ticks skipped, once ticking every ``tick_s`` (a path set
     that always says 'due now'). Every datagram leaves at the same
@@ -119,7 +125,7 @@ def test_skipped_ticks_change_nothing_on_the_wire(monkeypatch, bound):
 
     def run() -> tuple[list[tuple[float, int, bytes]], int]:
         world, n = 3, 5000
-        eps = make(world, loss=LossConfig(loss_bound=bound, hard_deadline_s=5.0))
+        eps = make(world, loss=LossConfig(loss_bound=bound, hard_deadline_s=5.0), **cfg)
         datas = random_datas(world, n, 4)
         rng = np.random.default_rng(9)
         sent: list[tuple[float, int, bytes]] = []
