@@ -300,21 +300,27 @@ class OutTransfer:
         NACK or send changes that): its hard deadline, a RACK loss or retransmission timeout
         (:func:`~transport._kernels_ack.next_due`: the same sums as :meth:`rack_lost` and
         :meth:`timed_out`, so at that time they find it), a manifest or FIN to repeat.
-        ``path_rtos`` are the peer's per-path timeouts, ``rto`` the transfer's (not backed
-        off) one for control repeats; lanes are path × ``n_classes``."""
+        ``path_rtos`` are the peer's per-path timeouts, ``rto`` the transfer's (backed off)
+        one for control repeats; lanes are path × ``n_classes``."""
         if self.done:
             return np.inf
         due = min(self.hard_deadline, next_due(
             self.state, self.sent_at, self.tx_seq, self.path, self.prio, n_classes,
             self.lane_seq, self.lane_at, reorder_window_s, path_rtos, self.rto_backoff,
             self.rto_since, not self.held))  # fmt: skip
-        rto = rto * self.rto_backoff
         if not self.manifest_acked:
             due = min(due, self.manifest_sent_at + rto)
-        if (self.abandoned_elems and not (self.n_lost or self.n_inflight)
-                and self.cursor >= self.n_chunks):  # fmt: skip
-            due = min(due, self.fin_sent_at + rto)  # SenderCore._maybe_fin's condition
+        if self.owes_fin():
+            due = min(due, self.fin_sent_at + rto)
         return float(due)
+
+    def owes_fin(self) -> bool:
+        """Only abandoned chunks remain unacknowledged: the receiver is told so by a FIN
+        (repeated every RTO until its STOP)."""
+        return bool(
+            not self.done and self.abandoned_elems and not (self.n_lost or self.n_inflight)
+            and self.cursor >= self.n_chunks
+        )  # fmt: skip
 
     def probe_answered(self, acked: np.ndarray) -> np.ndarray:
         """An ACK after a timeout's probe (``SenderCore._on_timeout``) newly acknowledged

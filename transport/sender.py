@@ -168,7 +168,8 @@ class SenderCore:
         self._sendable.add(key)
         if len(self.transfers) == 1:  # the only one: the tick grid starts here
             self._tick_last, self._tick_at = now, now + self.config.tick_s
-        self._wake(now)
+        else:
+            self._wake(now)
         return t
 
     def report(self, step: int, bucket: int) -> SenderReport:
@@ -468,16 +469,18 @@ class SenderCore:
             late = t.timed_out(rtos[t.key.dst], now)
             if late.size:
                 self._on_timeout(t, late, now)
-            if not t.manifest_acked and now >= t.manifest_sent_at + self._rto(t):
+            rto = self._rto(t, rtos[t.key.dst])
+            if not t.manifest_acked and now >= t.manifest_sent_at + rto:
                 self._queue_manifest(t, now)
-            self._maybe_fin(t, now)
+            self._maybe_fin(t, now, rto)
         self._probe(now, peers)
         due = np.inf
         for peer in {t.key.dst for t in self.transfers.values()}:  # what the tick left
-            rto = max(float(rtos[peer][q]) for q in self._usable(peer))
-            due = min(due, self.paths[peer].next_due(), *(
-                t.next_due(rtos[peer], rto, len(self._tos), self.config.reorder_window_s)
-                for t in self.transfers.values() if t.key.dst == peer))  # fmt: skip
+            due = min(due, self.paths[peer].next_due())
+        for t in self.transfers.values():
+            p_rtos = rtos[t.key.dst]
+            due = min(due, t.next_due(p_rtos, self._rto(t, p_rtos), len(self._tos),
+                                      self.config.reorder_window_s))  # fmt: skip
         self._tick_at = self._on_grid(due) if self.transfers else np.inf
 
     def _wake(self, now: float) -> None:
@@ -544,8 +547,10 @@ class SenderCore:
             self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
             self._srtt = 0.875 * self._srtt + 0.125 * rtt
 
-    def _rto(self, t: OutTransfer) -> float:
-        rtos = self._path_rtos(t.key.dst)
+    def _rto(self, t: OutTransfer, path_rtos: np.ndarray | None = None) -> float:
+        """The transfer's RTO for control repeats (manifest, FIN): the largest of its usable
+        paths', backed off; ``path_rtos``: :meth:`_path_rtos` of its peer, if at hand."""
+        rtos = self._path_rtos(t.key.dst) if path_rtos is None else path_rtos
         return float(max(rtos[q] for q in self._usable(t.key.dst))) * t.rto_backoff
 
     def _on_timeout(self, t: OutTransfer, late: np.ndarray, now: float) -> None:
@@ -770,12 +775,11 @@ class SenderCore:
         self.transfers.pop(t.key, None)
         self._sendable.discard(t.key)
 
-    def _maybe_fin(self, t: OutTransfer, now: float) -> None:
-        """When only abandoned chunks remain unacknowledged, tell the receiver (FIN), and repeat
-        it every RTO until the receiver's STOP."""
-        if t.done or not t.abandoned_elems or t.n_lost or t.cursor < t.n_chunks:
-            return
-        if t.n_inflight or now < t.fin_sent_at + self._rto(t):
+    def _maybe_fin(self, t: OutTransfer, now: float, rto: float | None = None) -> None:
+        """When only abandoned chunks remain unacknowledged (:meth:`OutTransfer.owes_fin`),
+        tell the receiver (FIN), and repeat it every RTO (``rto``, else :meth:`_rto`) until
+        its STOP."""
+        if not t.owes_fin() or now < t.fin_sent_at + (self._rto(t) if rto is None else rto):
             return
         payload = np.packbits(t.state == ABANDONED, bitorder="little").tobytes()
         data = self.encode(Kind.FIN, t.key, chunk=0, count=t.n_chunks, payload=payload)
