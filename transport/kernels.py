@@ -84,8 +84,10 @@ __all__ = [
     "ReceivePlan",
     "apply_ack",
     "chunk_stats",
+    "fill_headers",
     "hadamard_forward",
     "hadamard_inverse",
+    "header_words",
     "local_sum",
     "pack",
     "place_into",
@@ -96,23 +98,32 @@ __all__ = [
 ]
 
 
-@lru_cache(maxsize=1024)
 def _template(header: Header, dtype: DType) -> np.ndarray:
     """The kernels' header template (``header_template`` of header u32 words 0..5)."""
+    return header_template(
+        header_words(
+            header.kind, header.phase, dtype, header.job, header.step, header.bucket,
+            header.shard, header.src, header.dst,
+        )
+    )  # fmt: skip
+
+
+def header_words(
+    kind: int, phase: int, dtype: int, job: int, step: int, bucket: int, shard: int, src: int,
+    dst: int,
+) -> np.ndarray:  # fmt: skip
+    """Header u32 words 0..5 of a packet with these fields (flags and prio zero), each field
+    checked against its width: what :func:`fill_headers` takes as ``words``."""
     t = np.zeros(6, dtype=np.uint32)
-    t[0] = MAGIC_VERSION_WORD | (_in_range("header.kind", header.kind, _U8_MAX) << 24)
-    t[1] = (int(dtype) << 16) | (_in_range("header.phase", header.phase, _U8_MAX) << 24)
-    t[2] = _in_range("header.job", header.job, _U32_MAX)
-    t[3] = _in_range("header.step", header.step, _U32_MAX)
-    t[4] = _in_range("header.bucket", header.bucket, _U16_MAX) | (
-        _in_range("header.shard", header.shard, _U16_MAX) << 16
+    t[0] = MAGIC_VERSION_WORD | (_in_range("header.kind", kind, _U8_MAX) << 24)
+    t[1] = (int(dtype) << 16) | (_in_range("header.phase", phase, _U8_MAX) << 24)
+    t[2] = _in_range("header.job", job, _U32_MAX)
+    t[3] = _in_range("header.step", step, _U32_MAX)
+    t[4] = _in_range("header.bucket", bucket, _U16_MAX) | (
+        _in_range("header.shard", shard, _U16_MAX) << 16
     )
-    t[5] = _in_range("header.src", header.src, _U16_MAX) | (
-        _in_range("header.dst", header.dst, _U16_MAX) << 16
-    )
-    tmpl = header_template(t)
-    tmpl.flags.writeable = False  # cached and shared
-    return tmpl
+    t[5] = _in_range("header.src", src, _U16_MAX) | (_in_range("header.dst", dst, _U16_MAX) << 16)
+    return t
 
 
 @lru_cache(maxsize=256)
@@ -508,25 +519,61 @@ def write_headers(
     flags_a, _ = _per_chunk_u8("flags", flags, n_chunks)
     if n_chunks == 0:
         return 0
-    item = ITEMSIZE[wire]
+    words = header_words(
+        header.kind, header.phase, wire, header.job, header.step, header.bucket, header.shard,
+        header.src, header.dst,
+    )  # fmt: skip
     counts = chunk_counts(bits.shape[0], chunk_elems)
-    tmpl = _template(header, wire)
+    fill_headers(
+        rows[:n_chunks], src, counts, stats, dtype=wire, words=words, chunk_elems=chunk_elems,
+        key=key, prio=prio_a, flags=flags_a, first_chunk=first,
+    )  # fmt: skip
+    return n_chunks
+
+
+def fill_headers(
+    hdr: np.ndarray,
+    src: np.ndarray,
+    counts: np.ndarray,
+    stats: ChunkStats,
+    *,
+    dtype: DType,
+    words: np.ndarray,
+    chunk_elems: int,
+    key: TagKey,
+    prio: np.ndarray,
+    flags: np.ndarray,
+    first_chunk: int = 0,
+) -> None:
+    """:func:`write_headers` without its argument checks, for a caller that built every array
+    itself (the sender, once per transfer: the checks cost more than the kernel at a few
+    chunks). ``hdr`` is uint8 ``(n, 48)`` C-contiguous; ``src`` the shard (its dtype is still
+    checked: it is the caller's buffer); ``counts`` (:func:`~transport.packet.chunk_counts`),
+    ``stats``' arrays, ``prio`` and ``flags`` (uint8) have ``n`` entries; ``words`` is
+    :func:`header_words`. Wrong shapes here are memory errors, which is why only the sender's
+    own arrays come this way."""
+    bits = _shard("src", src, dtype)
+    itemsize = ITEMSIZE[dtype]
+    # Read-only, as write_headers always passed them: numba compiles (and caches) one
+    # specialisation per array writability, and the warm-up compiles this one.
+    tmpl = header_template(words)
+    tmpl.flags.writeable = False
+    prio, flags = _readonly(prio), _readonly(flags)
     mode, k0, k1 = _key_parts(key)
-    hdr64 = rows[:n_chunks].view(np.uint64)
+    hdr64 = hdr.view(np.uint64)
     if mode == TAG_FAST:
         _pk.headers_fast(
-            hdr64, counts, item, tmpl, prio_a, flags_a, first,
+            hdr64, counts, itemsize, tmpl, prio, flags, first_chunk,
             stats.norms, stats.sum_a, stats.sum_b,
         )  # fmt: skip
     else:
-        scratch = np.zeros((HEADER_SIZE + chunk_elems * item + 7) // 8, dtype=np.uint64)
+        scratch = np.zeros((HEADER_SIZE + chunk_elems * itemsize + 7) // 8, dtype=np.uint64)
         src8 = bits.view(np.uint8)
         src32 = src8[: src8.shape[0] // 4 * 4].view(np.uint32)
         _pk.headers_siphash(
-            hdr64, scratch, src32, src8, chunk_elems * item, counts, item, tmpl, prio_a,
-            flags_a, first, stats.norms, k0, k1,
+            hdr64, scratch, src32, src8, chunk_elems * itemsize, counts, itemsize, tmpl, prio,
+            flags, first_chunk, stats.norms, k0, k1,
         )  # fmt: skip
-    return n_chunks
 
 
 def _hadamard_args(x: np.ndarray, seed: int, block: int) -> tuple[np.ndarray, np.uint64, int]:

@@ -5,7 +5,7 @@ Theory of operation
 An *outgoing transfer* is one shard (step, bucket, shard, phase) for one peer. At start the shard
 is read once for its per-chunk statistics (:func:`kernels.chunk_stats`: L2 norms and the payload's
 fast-tag sums; the gather phase computes them once for all its destinations), classified by the
-priority policy, and every chunk's 48-byte header is written (:func:`kernels.write_headers`).
+priority policy, and every chunk's 48-byte header is written (:func:`kernels.fill_headers`).
 Nothing is copied: a datagram is a header row plus a view of the caller's buffer, which the
 driver sends with one gathering ``sendmsg`` (the kernel copies the payload once, as it must).
 The caller's buffer is therefore read until the transfer ends; :meth:`OutTransfer.release_source`
@@ -44,7 +44,7 @@ from transport import kernels
 from transport._kernels_ack import next_due, rack_due, timed_out
 from transport.config import TransportConfig
 from transport.events import DatagramRun
-from transport.packet import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Phase, chunk_counts
+from transport.packet import HEADER_SIZE, ITEMSIZE, DType, Flags, Kind, Phase, chunk_counts
 
 __all__ = [
     "ABANDONED",
@@ -117,6 +117,14 @@ class OutTransfer:
         self.prio = np.ascontiguousarray(classes.prio, dtype=np.uint8)
         self.protected = np.asarray(classes.protected, dtype=bool)
         self.droppable = np.asarray(classes.droppable, dtype=bool) & ~self.protected
+        if not self.prio.shape == self.protected.shape == self.droppable.shape == (n,):
+            # A policy is pluggable: its arrays reach a kernel that does not check them.
+            raise ValueError(
+                f"priority policy {type(priority).__name__} classified {n} chunks into arrays "
+                f"of shapes {self.prio.shape}, {self.protected.shape}, {self.droppable.shape}"
+            )
+        if stats.norms.shape[0] != n or stats.sum_a.shape[0] != n or stats.sum_b.shape[0] != n:
+            raise ValueError(f"stats for {stats.norms.shape[0]} chunks, the shard has {n}")
         # Send order: by class, then chunk index — send_order_key's order for one transfer, whose
         # chunks share one layer position (transfers are merged by the sender's heap): a stable
         # sort of the classes is that order, without building the keys.
@@ -131,23 +139,19 @@ class OutTransfer:
         self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # datagram lengths
         self.hdr = np.empty((n, HEADER_SIZE), dtype=np.uint8)
         if n:
-            header = Header(
-                kind=Kind.DATA,
-                job=cfg.job,
-                step=key.step,
-                bucket=key.bucket,
-                shard=key.shard,
-                src=me,
-                dst=key.dst,
-                phase=key.phase,
-                dtype=dtype,
-            )
-            kernels.write_headers(
+            # The checked words, then the kernel without write_headers' argument checks: every
+            # array here is this transfer's own, of the shapes checked above.
+            words = kernels.header_words(
+                Kind.DATA, key.phase, dtype, cfg.job, key.step, key.bucket, key.shard, me,
+                key.dst,
+            )  # fmt: skip
+            kernels.fill_headers(
                 self.hdr,
                 data,
+                self.counts,
                 stats,
                 dtype=DType(dtype),
-                header=header,
+                words=words,
                 chunk_elems=self.chunk_elems,
                 key=cfg.tag_key,
                 prio=self.prio,

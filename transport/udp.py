@@ -19,10 +19,14 @@ When the socket's buffer is full (the kernel answers EAGAIN) the two parts are j
 one ``bytes`` and handed to the transport, which queues it until the socket is writable: the
 queued copy no longer depends on the sender's buffer.
 
-The sender hands out a run of DATA datagrams (:class:`DatagramRun`: header rows and payload
-offsets as arrays); on Linux the run goes out with one ``sendmmsg`` per path (``_mmsg``): no
-Python and no system call per datagram. What the kernel refuses with EAGAIN mid-run is queued
-as copies on the transport, as above; a refused datagram (an ICMP error) is counted and skipped.
+The sender hands out runs of DATA datagrams (:class:`DatagramRun`: header rows and payload
+offsets as arrays); on Linux the runs of one ``send`` call — every peer, every priority class —
+go out with one ``sendmmsg`` per path, from the path's main socket (``_mmsg.SendBatch``): each
+message carries its own destination and its TOS as a control message (``IP_TOS``, which a
+message's ancillary data sets for that datagram alone), so there is no Python and no system
+call per datagram, nor per peer or class. What the kernel refuses with EAGAIN mid-pass is
+queued as copies on the transport of its (path, TOS), as above, in order; a refused datagram
+(an ICMP error) is counted and skipped.
 
 Receiving skips asyncio's datagram protocol: a reader callback on each receive socket reads
 straight into the driver's receive arena, up to ``READ_BURST`` datagrams per wakeup, with one
@@ -100,9 +104,9 @@ class UdpCounters:
     """Datagrams whose TOS had no socket of its own (sent on the path's main socket)."""
 
 
-#: How a (peer, path, tos) is sent: transport, its socket, destination, 1 if a TOS fallback,
-#: and the destination as a ``struct sockaddr`` for ``sendmmsg`` (None: send one at a time).
-_Route = tuple[asyncio.DatagramTransport, socket.socket, Address, int, np.ndarray | None]
+#: How a (peer, path, tos) is sent one datagram at a time: transport, its socket, destination,
+#: and 1 if a TOS fallback.
+_Route = tuple[asyncio.DatagramTransport, socket.socket, Address, int]
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
@@ -165,7 +169,12 @@ class UdpPaths:
         self._bufsize = bufsize
         self._arena = arena if _mmsg.AVAILABLE else None
         self._rx_table: _mmsg.RecvTable | None = None
-        self._tx_table = _mmsg.SendTable() if _mmsg.AVAILABLE else None
+        self._tx_batch: _mmsg.SendBatch | None = None  # made at open, one table per path
+        self._main_fds: list[int] = []
+        self._v6: list[bool] = []
+        self._names: dict[int, np.ndarray] = {}  # peer -> per path (sockaddr address, length)
+        self._controls: dict[int, np.ndarray] = {}  # tos -> per path (cmsg address, length)
+        self._keep: list[np.ndarray] = []  # the sockaddrs and cmsgs those tables point into
         self.counters = UdpCounters()
         self._transports: list[asyncio.DatagramTransport] = []
         self._protocols: list[_SendProtocol] = []
@@ -197,7 +206,11 @@ class UdpPaths:
                 self.local.append(rx.getsockname()[:2])
                 tx = {tos: await self._sender(path, host, tos) for tos in tos_all}
                 self._main.append(tx[tos_all[0]])
+                self._main_fds.append(self._socks[tx[tos_all[0]]].fileno())
+                self._v6.append(":" in host)
                 self._tx.append(tx)
+            if _mmsg.AVAILABLE:
+                self._tx_batch = _mmsg.SendBatch(len(self._main))
         except BaseException:
             self.close()
             raise
@@ -207,18 +220,26 @@ class UdpPaths:
         """Destination addresses: ``peers[rank][path]``."""
         self._peers = [list(p) for p in peers]
         self._routes = {}
+        self._names = {}
 
     def send(self, datagrams: Iterable[Datagram | DatagramRun]) -> None:
-        """Send each datagram from its path's socket for its TOS to its peer's path address; a
-        :class:`DatagramRun` goes out with one ``sendmmsg`` per path where Linux has it."""
+        """Send each datagram from its path's socket for its TOS to its peer's path address.
+        Where Linux has ``sendmmsg``, every :class:`DatagramRun` of the call goes out together
+        at the end: one ``sendmmsg`` per path for all peers and classes (each datagram carries
+        its destination and TOS); single datagrams (control packets) go out as they come."""
+        batch = self._tx_batch
+        runs: list[DatagramRun] = []
         for item in datagrams:
             if isinstance(item, DatagramRun):
-                if self._tx_table is not None:
-                    self._send_run(item)
+                if batch is not None and self._queue_run(batch, item, len(runs)):
+                    runs.append(item)
                 else:
                     self._send_each(item)
             else:
                 self._send_each((item,))
+        if runs:
+            assert batch is not None
+            self._send_batch(batch, runs)
 
     def _send_each(self, datagrams: Iterable[Datagram]) -> None:
         c = self.counters
@@ -230,7 +251,7 @@ class UdpPaths:
                 if r is None:
                     c.unroutable += 1
                     continue
-            tr, sock, dest, fallback, _ = r
+            tr, sock, dest, fallback = r
             c.tx_datagrams += 1
             c.tos_fallback += fallback
             if payload is None:
@@ -255,63 +276,104 @@ class UdpPaths:
                 c.tx_errors += 1
                 log.debug("path %d: send error %s", path, e)
 
-    def _send_run(self, run: DatagramRun) -> None:
-        """One ``sendmmsg`` per path of the run (usually one or two): no Python per datagram."""
-        table = self._tx_table
-        assert table is not None
-        hb, sizes, n = run.header_bytes, run.sizes, len(run)
-        if n == 0:
-            return
-        counts, nbytes = table.fill(
+    def _queue_run(self, batch: _mmsg.SendBatch, run: DatagramRun, run_id: int) -> bool:
+        """Lay ``run`` out in the pass's ``sendmmsg`` tables; False when it must go one datagram
+        at a time (a peer address ``sendmmsg`` cannot take, an unknown peer, a path beyond the
+        local ones: ``_send_each`` routes and counts those as it always did)."""
+        names = self._names.get(run.peer)
+        if names is None:
+            names = self._peer_names(run.peer)
+            if names is None:
+                return False
+        controls = self._controls.get(run.tos)
+        if controls is None:
+            controls = self._tos_controls(run.tos)
+        return batch.append(
+            run_id,
             _mmsg.address_of(run.hdr),
-            hb,
+            run.header_bytes,
             run.chunks,
             _mmsg.address_of(run.payload),
             run.starts,
-            sizes,
+            run.sizes,
             run.paths,
+            names,
+            controls,
         )
+
+    def _send_batch(self, batch: _mmsg.SendBatch, runs: list[DatagramRun]) -> None:
+        """One ``sendmmsg`` per path for the pass's runs: no Python per datagram."""
         c = self.counters
-        end = 0
-        for q, cnt in enumerate(counts.tolist()):
-            if not cnt:
+        try:
+            for q, n in enumerate(batch.fill.tolist()):
+                if not n:
+                    continue
+                fd = self._main_fds[q]
+                i = 0
+                while i < n:
+                    sent, err = batch.send(fd, q, i, n - i)
+                    c.tx_datagrams += sent
+                    if sent == n:
+                        c.tx_bytes += int(batch.nbytes[q])
+                    else:
+                        c.tx_bytes += batch.row_bytes(q, i, i + sent)
+                    i += sent
+                    if i >= n:
+                        break
+                    if err in _AGAIN:  # the socket's buffer is full: the transports queue copies
+                        self._queue_rows(batch, runs, q, i, n)
+                        break
+                    # Refused (e.g. an ICMP error reported on this send): count, skip, go on.
+                    c.tx_errors += 1
+                    log.debug("path %d: send error %s", q, errno.errorcode.get(err, err))
+                    i += 1
+        finally:
+            batch.clear()
+
+    def _queue_rows(
+        self, batch: _mmsg.SendBatch, runs: list[DatagramRun], q: int, first: int, end: int
+    ) -> None:
+        """Rows the kernel would not take now: owned copies queued on the transport of their
+        (peer, path, TOS), whose socket carries that TOS, in row order."""
+        c = self.counters
+        for r in range(first, end):
+            run = runs[int(batch.run[q, r])]
+            dg = run.select(batch.order[q, r : r + 1])[0]
+            route = self._routes.get((run.peer, q, run.tos)) or self._route(run.peer, q, run.tos)
+            if route is None:  # cannot happen: the run was laid out for a known peer
+                c.unroutable += 1
                 continue
-            first, end = end, end + cnt
-            r = self._routes.get((run.peer, q, run.tos)) or self._route(run.peer, q, run.tos)
-            if r is None:
-                c.unroutable += cnt
-                continue
-            tr, sock, dest, fallback, name = r
-            if name is None:  # an address sendmmsg cannot take: one at a time
-                self._send_each(run.select(table.order[first:end]))
-                continue
-            i, fd = first, sock.fileno()
-            while i < end:
-                sent, err = table.send(fd, name, i, end - i)
-                c.tx_datagrams += sent
-                c.tos_fallback += fallback * sent
-                if sent == cnt:
-                    c.tx_bytes += cnt * hb + int(nbytes[q])
-                else:
-                    c.tx_bytes += sent * hb + int(sizes[table.order[i : i + sent]].sum())
-                i += sent
-                if i >= end:
-                    break
-                if err in _AGAIN:  # the socket's buffer is full: the transport queues copies
-                    for dg in run.select(table.order[i:end]):
-                        tr.sendto(dg.wire(), dest)
-                        c.tx_datagrams += 1
-                        c.tos_fallback += fallback
-                        c.tx_bytes += hb + len(dg.payload or b"")
-                    break
-                # Refused (e.g. an ICMP error reported on this send): count it, skip it, go on.
-                c.tx_errors += 1
-                log.debug("path %d: send error %s", q, errno.errorcode.get(err, err))
-                i += 1
+            tr, _, dest, fallback = route
+            tr.sendto(dg.wire(), dest)
+            c.tx_datagrams += 1
+            c.tos_fallback += fallback
+            c.tx_bytes += len(dg.wire())
+
+    def _peer_names(self, peer: int) -> np.ndarray | None:
+        """``(address, length)`` of each local path's ``struct sockaddr`` for ``peer`` (its
+        address list read modulo its length, as :meth:`_route` does), cached; None when the
+        peer is unknown or an address is not numeric."""
+        try:
+            addrs = self._peers[peer]
+            socks = [_mmsg.sockaddr(addrs[q % len(addrs)]) for q in range(len(self._main))]
+        except (IndexError, ZeroDivisionError, OSError, ValueError):
+            return None
+        names = np.array([(s.ctypes.data, s.shape[0]) for s in socks], dtype=np.uint64)
+        self._names[peer] = names
+        self._keep.extend(socks)  # the table points into them
+        return names
+
+    def _tos_controls(self, tos: int) -> np.ndarray:
+        """``(address, length)`` of the control message marking a datagram with ``tos``, per
+        local path (its address family picks IP_TOS or IPV6_TCLASS), cached."""
+        msgs = [_mmsg.tos_cmsg(tos, v6) for v6 in self._v6]
+        controls = np.array([(m.ctypes.data, m.shape[0]) for m in msgs], dtype=np.uint64)
+        self._controls[tos] = controls
+        self._keep.extend(msgs)
+        return controls
 
     def _route(self, peer: int, path: int, tos: int) -> _Route | None:
-        """Transport, socket, destination, fallback flag and ``sockaddr`` of (peer, path, tos),
-        cached."""
+        """Transport, socket, destination and fallback flag of (peer, path, tos), cached."""
         try:
             addrs = self._peers[peer]
             dest = addrs[path % len(addrs)]
@@ -322,13 +384,7 @@ class UdpPaths:
         fallback = tr is None  # a TOS nobody declared: the path's main socket, counted
         if tr is None:
             tr = self._main[path % len(self._main)]
-        name = None
-        if self._tx_table is not None:
-            try:
-                name = _mmsg.sockaddr(dest)
-            except (OSError, ValueError):  # not a numeric address: sendmsg resolves it
-                name = None
-        r = self._routes[(peer, path, tos)] = (tr, self._socks[tr], dest, int(fallback), name)
+        r = self._routes[(peer, path, tos)] = (tr, self._socks[tr], dest, int(fallback))
         return r
 
     def poll(self) -> bool:

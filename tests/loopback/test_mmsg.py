@@ -4,6 +4,7 @@ lengths and truncation exactly as one call per datagram gives them; and an engin
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Iterator
 
@@ -35,8 +36,25 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
         tx.close()
 
 
+_IP_RECVTOS = int(getattr(socket, "IP_RECVTOS", 13))
+
+
+def _recv_tos(sock: socket.socket, size: int = 70000) -> tuple[bytes, int]:
+    """One datagram and the TOS byte it arrived with (the socket has IP_RECVTOS set)."""
+    data, anc, _, _ = sock.recvmsg(size, socket.CMSG_SPACE(4))
+    tos = [c[2][0] for c in anc if c[0] == socket.IPPROTO_IP and c[1] == socket.IP_TOS]
+    assert len(tos) == 1, anc
+    return data, tos[0]
+
+
+def _pairs(*arrays: np.ndarray) -> np.ndarray:
+    """(address, length) rows of byte arrays, as SendBatch.append takes names and controls."""
+    return np.array([(a.ctypes.data, a.shape[0]) for a in arrays], dtype=np.uint64)
+
+
 def test_a_run_goes_out_and_comes_back_byte_for_byte(pair):
     rx, tx = pair
+    rx.setsockopt(socket.IPPROTO_IP, _IP_RECVTOS, 1)
     rng = np.random.default_rng(1)
     n, hb = 40, 48
     hdr = rng.integers(0, 256, (n, hb), dtype=np.uint8)
@@ -44,8 +62,10 @@ def test_a_run_goes_out_and_comes_back_byte_for_byte(pair):
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
     payload = rng.integers(0, 256, int(sizes.sum()), dtype=np.uint8)
     order = rng.permutation(n)  # rows in any order, as a sender's run picks chunks
-    table = _mmsg.SendTable(capacity=4)  # grows to fit
-    counts, nbytes = table.fill(
+    batch = _mmsg.SendBatch(1, capacity=4)  # grows to fit
+    name, ctl = _mmsg.sockaddr(rx.getsockname()), _mmsg.tos_cmsg(0xB8, v6=False)
+    assert batch.append(
+        0,
         hdr.ctypes.data,
         hb,
         order,
@@ -53,54 +73,83 @@ def test_a_run_goes_out_and_comes_back_byte_for_byte(pair):
         starts[order],
         sizes[order],
         np.zeros(n, dtype=np.int64),
-        1,
+        _pairs(name),
+        _pairs(ctl),
     )
-    assert counts.tolist() == [n] and nbytes.tolist() == [int(sizes.sum())]
-    sent, err = table.send(tx.fileno(), _mmsg.sockaddr(rx.getsockname()), 0, n)
+    assert batch.fill.tolist() == [n] and batch.nbytes.tolist() == [n * hb + int(sizes.sum())]
+    sent, err = batch.send(tx.fileno(), 0, 0, n)
     assert (sent, err) == (n, 0)
+    for c in order.tolist():  # every datagram byte for byte, marked with the control's TOS
+        a, b = int(starts[c]), int(starts[c] + sizes[c])
+        assert _recv_tos(rx) == (hdr[c].tobytes() + payload[a:b].tobytes(), 0xB8)
+    tx.sendto(b"again", rx.getsockname())  # a plain send after it: the socket's own TOS (0)
+    assert _recv_tos(rx) == (b"again", 0)
+
+
+def test_recvmmsg_fills_rows_from_any_offset(pair):
+    rx, tx = pair
+    sizes = [0, 1, 48, 3000, 4096]
+    for k in sizes:
+        tx.sendto(bytes([k % 251]) * k, rx.getsockname())
     arena = np.zeros((64, 4096), dtype=np.uint8)
     got = _mmsg.RecvTable(arena)
     lengths, err = got.receive(rx.fileno(), 3, 64 - 3)
-    assert err == 0
-    assert lengths.tolist() == (hb + sizes[order]).tolist()
-    for i, c in enumerate(order.tolist()):
-        row = arena[3 + i]
-        a, b = int(starts[c]), int(starts[c] + sizes[c])
-        assert row[:hb].tobytes() == hdr[c].tobytes()
-        assert row[hb : hb + sizes[c]].tobytes() == payload[a:b].tobytes()
+    assert err == 0 and lengths.tolist() == sizes
+    for i, k in enumerate(sizes):
+        assert arena[3 + i, :k].tobytes() == bytes([k % 251]) * k
     # Nothing left: an empty answer, not an error.
     lengths, err = got.receive(rx.fileno(), 0, 8)
     assert lengths.size == 0 and err == 0
 
 
-def test_a_run_is_laid_out_grouped_by_path_in_run_order():
-    """fill() is a stable counting sort: path 0's datagrams first, each path's in run order,
-    with their header and payload addresses, and per-path datagram and byte counts."""
+def test_runs_are_appended_per_path_in_run_order():
+    """append() puts each datagram after the rows of its path, in run order, with its header
+    and payload addresses, its path's destination and control message, and which run and
+    datagram it is; per-path byte counts add up; growing keeps the rows laid out before; a
+    path outside the tables lays out nothing."""
     rng = np.random.default_rng(2)
-    n, hb = 300, 48
-    chunks = rng.permutation(n)
-    starts = rng.integers(0, 10**6, n).astype(np.int64)
-    sizes = rng.integers(1, 65000, n).astype(np.int64)
-    paths = rng.integers(0, 3, n).astype(np.int64)
-    paths[paths == 1] = 2  # a path with no datagram
-    table = _mmsg.SendTable(capacity=8)
-    counts, nbytes = table.fill(1000, hb, chunks, 5000, starts, sizes, paths, 4)
-    want = np.argsort(paths, kind="stable")
-    assert table.order[:n].tolist() == want.tolist()
-    assert counts.tolist() == np.bincount(paths, minlength=4).tolist()
-    assert nbytes.tolist() == np.bincount(paths, weights=sizes, minlength=4).astype(int).tolist()
-    iov = table.iov[:n]
-    assert (iov[:, 0, 0] == 1000 + chunks[want] * hb).all() and (iov[:, 0, 1] == hb).all()
-    assert (iov[:, 1, 0] == 5000 + starts[want]).all() and (iov[:, 1, 1] == sizes[want]).all()
-    with pytest.raises(ValueError, match="path outside"):
-        table.fill(1000, hb, chunks, 5000, starts, sizes, paths, 2)
-    # Without n_paths, as many paths as the largest needs; a negative path is still refused.
-    counts, nbytes = table.fill(1000, hb, chunks, 5000, starts, sizes, paths)
-    assert counts.tolist() == np.bincount(paths).tolist() and len(counts) == 3
-    assert table.order[:n].tolist() == want.tolist()
-    paths[7] = -1
-    with pytest.raises(ValueError, match="path outside"):
-        table.fill(1000, hb, chunks, 5000, starts, sizes, paths)
+    hb, n_paths = 48, 4
+    batch = _mmsg.SendBatch(n_paths, capacity=8)
+    names = np.arange(2 * n_paths, dtype=np.uint64).reshape(n_paths, 2) + 100
+    runs = []
+    for run_id in range(3):
+        n = int(rng.integers(50, 200))
+        chunks = rng.permutation(n)
+        starts = rng.integers(0, 10**6, n).astype(np.int64)
+        sizes = rng.integers(1, 65000, n).astype(np.int64)
+        paths = rng.integers(0, 3, n).astype(np.int64)
+        paths[paths == 1] = 2  # a path with no datagram
+        controls = np.full((n_paths, 2), 7000 + run_id, dtype=np.uint64)
+        assert batch.append(run_id, 1000 * run_id, hb, chunks, 5000, starts, sizes, paths,
+                            names, controls)  # fmt: skip
+        runs.append((chunks, starts, sizes, paths))
+    for q in range(n_paths):
+        want = [(r, i) for r, (_, _, _, p) in enumerate(runs) for i in np.flatnonzero(p == q)]
+        k = int(batch.fill[q])
+        assert k == len(want)
+        assert list(zip(batch.run[q, :k].tolist(), batch.order[q, :k].tolist(), strict=True)) == [
+            (r, int(i)) for r, i in want
+        ]
+        iov = batch.iov[q, :k]
+        for row, (r, i) in enumerate(want):
+            chunks, starts, sizes, _ = runs[r]
+            assert iov[row].tolist() == [
+                [1000 * r + int(chunks[i]) * hb, hb],
+                [5000 + int(starts[i]), int(sizes[i])],
+            ]
+            m = batch.msgs[q, row]
+            assert (m["name"], m["namelen"]) == (100 + 2 * q, 101 + 2 * q)
+            assert (m["control"], m["controllen"]) == (7000 + r, 7000 + r)
+            assert m["iov"] == batch.iov[q, row].ctypes.data and m["iovlen"] == 2
+        assert int(batch.nbytes[q]) == k * hb + sum(int(runs[r][2][i]) for r, i in want)
+        assert batch.row_bytes(q, 0, k) == int(batch.nbytes[q])
+    before = batch.fill.copy()
+    bad = np.array([0, n_paths], dtype=np.int64)
+    z = np.zeros(2, dtype=np.int64)
+    assert not batch.append(9, 0, hb, z, 0, z, z, bad, names, names)
+    assert batch.fill.tolist() == before.tolist()
+    batch.clear()
+    assert batch.fill.tolist() == [0] * n_paths and batch.nbytes.tolist() == [0] * n_paths
 
 
 def test_a_datagram_longer_than_a_row_reads_as_oversized(pair):
@@ -191,7 +240,7 @@ def test_engines_all_reduce_exactly_with_and_without_batched_calls(monkeypatch, 
         table = {r: e.start() for r, e in enumerate(engines)}
         for e in engines:
             e.set_peers(StaticPeers(table))
-            assert (e._udp._tx_table is not None) == batched
+            assert (e._udp._tx_batch is not None) == batched
         rng = np.random.default_rng(3)
         data = [rng.standard_normal(3_000_001).astype(np.float32) for _ in range(2)]
         futs = [e.submit(1, 0, d) for e, d in zip(engines, data, strict=True)]
@@ -317,3 +366,93 @@ def test_poll_says_whether_it_read_every_socket_empty(batched):
 
     assert asyncio.run(run()) == [False, True, True]
     assert len(got) == udp.READ_BURST + 5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["batched", "eagain", "one_at_a_time"])
+def test_every_datagram_leaves_marked_with_its_class_tos(monkeypatch, mode):
+    """The DSCP of a priority class reaches the IP header of every datagram: runs of three
+    classes to two peers over two paths, and a control datagram, sent in one call. Batched,
+    they go out with one sendmmsg per path (each message's TOS from its control message);
+    when the kernel takes only part of a path's rows (EAGAIN), the rest go out queued on the
+    transports of their (path, TOS); without the batched calls, on the socket of their TOS.
+    Each receiver reads exactly its datagrams, byte for byte, each with its run's TOS."""
+    import asyncio
+
+    from transport.events import Datagram
+
+    if mode == "one_at_a_time":
+        monkeypatch.setattr(udp._mmsg, "AVAILABLE", False)
+    hb, tos_of = 48, (46 << 2, 26 << 2, 8 << 2)  # EF, AF31, CS1: the default classes' DSCP
+    rng = np.random.default_rng(6)
+    hdr = rng.integers(0, 256, (60, hb), dtype=np.uint8)
+    payload = rng.integers(0, 256, 60 * 1200, dtype=np.uint8)
+    runs, want = [], {}  # (peer, path) -> [(bytes, tos)] in send order
+    for peer in range(2):
+        for cls, tos in enumerate(tos_of):
+            chunks = np.arange(10 * (3 * peer + cls), 10 * (3 * peer + cls) + 10, dtype=np.int64)
+            sizes = rng.integers(1, 1200, 10).astype(np.int64)
+            paths = rng.integers(0, 2, 10).astype(np.int64)
+            run = DatagramRun(hdr.reshape(-1).data, hb, payload.data, chunks, chunks * 1200,
+                              sizes, peer, paths, tos)  # fmt: skip
+            runs.append(run)
+            for c, n, q in zip(chunks.tolist(), sizes.tolist(), paths.tolist(), strict=True):
+                wire = hdr[c].tobytes() + payload[c * 1200 : c * 1200 + n].tobytes()
+                want.setdefault((peer, q), []).append((wire, tos))
+    control = Datagram(b"control", 1, 0, tos_of[0])
+    want[(1, 0)].insert(0, (b"control", tos_of[0]))  # single datagrams leave as they come
+    receivers = {}
+    for peer in range(2):
+        for q, host in enumerate(("127.0.0.1", "127.0.0.2")):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind((host, 0))
+            s.setsockopt(socket.IPPROTO_IP, _IP_RECVTOS, 1)
+            s.settimeout(5)
+            receivers[(peer, q)] = s
+    calls: list[tuple[int, int]] = []
+
+    async def send() -> udp.UdpCounters:
+        u = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
+                         bufsize=1 << 20)  # fmt: skip
+        try:
+            await u.open([("127.0.0.1", 0), ("127.0.0.2", 0)], tos_values=tos_of)
+            u.set_peers([[receivers[(p, q)].getsockname() for q in range(2)] for p in range(2)])
+            if u._tx_batch is not None:
+                real = u._tx_batch.send
+
+                def counted(fd: int, path: int, first: int, count: int) -> tuple[int, int]:
+                    calls.append((path, count))
+                    if mode == "eagain" and first == 0 and count > 3:  # a full socket buffer
+                        return real(fd, path, first, 3)[0], errno.EAGAIN
+                    return real(fd, path, first, count)
+
+                u._tx_batch.send = counted  # type: ignore[method-assign]
+            u.send([runs[0], runs[1], control, *runs[2:]])
+            await asyncio.sleep(0)  # the transports write what they queued on the next turn
+            await asyncio.sleep(0.05)
+            return u.counters
+        finally:
+            await u.wait_closed()
+
+    try:
+        c = asyncio.run(send())
+        total = sum(len(v) for v in want.values())
+        assert c.tx_datagrams == total and c.tx_errors == 0 and c.unroutable == 0
+        assert c.tos_fallback == 0
+        assert c.tx_bytes == sum(len(w) for v in want.values() for w, _ in v)
+        if mode == "one_at_a_time":
+            assert calls == []
+        else:  # one call per path for the whole pass (and no call for an empty path)
+            assert sorted(p for p, _ in calls) == [0, 1]
+        for key, expected in want.items():
+            got = [_recv_tos(receivers[key]) for _ in expected]
+            if mode == "eagain":  # the queued rows follow the 3 the kernel took, in order
+                assert sorted(got) == sorted(expected)
+            else:
+                assert got == expected
+            receivers[key].setblocking(False)
+            with pytest.raises(BlockingIOError):  # nothing else arrived
+                receivers[key].recv(70000)
+    finally:
+        for s in receivers.values():
+            s.close()
