@@ -21,7 +21,8 @@ queued copy no longer depends on the sender's buffer.
 
 The sender hands out runs of DATA datagrams (:class:`DatagramRun`: header rows and payload
 offsets as arrays); on Linux the runs of one ``send`` call — every peer, every priority class —
-go out with one ``sendmmsg`` per path, from the path's main socket (``_mmsg.SendBatch``): each
+go out together (up to ``MERGE_ROWS`` datagrams and the run that reaches it) with one
+``sendmmsg`` per path, from the path's main socket (``_mmsg.SendBatch``): each
 message carries its own destination and its TOS as a control message (``IP_TOS``, which a
 message's ancillary data sets for that datagram alone), so there is no Python and no system
 call per datagram, nor per peer or class. What the kernel refuses with EAGAIN mid-pass is
@@ -70,6 +71,12 @@ log = logging.getLogger(__name__)
 
 READ_BURST = 64
 """Most datagrams read from one socket per wakeup (then the driver runs: ACKs go out)."""
+MERGE_ROWS = 16
+"""Runs of one ``send`` call are merged into one ``sendmmsg`` per path until they hold this many
+datagrams, then go out. Merging saves the system calls of small runs (4 ranks × 1 MB: ~20 calls
+per collective → ~4); merging large ones puts a pass's whole share of a path on its socket in
+one burst (2 ranks × 25 MB: ~100 datagrams, 6.5 MB), which measured slower than alternating
+the paths run by run: 37.1 → 33.8 ms per all-reduce, system time 35 → 31 ms (paired runs)."""
 _MSG_TRUNC = int(getattr(socket, "MSG_TRUNC", 0))  # an int: enum members are slow in hot calls
 
 
@@ -224,15 +231,19 @@ class UdpPaths:
 
     def send(self, datagrams: Iterable[Datagram | DatagramRun]) -> None:
         """Send each datagram from its path's socket for its TOS to its peer's path address.
-        Where Linux has ``sendmmsg``, every :class:`DatagramRun` of the call goes out together
-        at the end: one ``sendmmsg`` per path for all peers and classes (each datagram carries
-        its destination and TOS); single datagrams (control packets) go out as they come."""
+        Where Linux has ``sendmmsg``, the :class:`DatagramRun` items of the call go out together,
+        ``MERGE_ROWS`` datagrams or more at a time: one ``sendmmsg`` per path for all their peers
+        and classes (each datagram carries its destination and TOS); single datagrams (control
+        packets) go out as they come."""
         batch = self._tx_batch
         runs: list[DatagramRun] = []
         for item in datagrams:
             if isinstance(item, DatagramRun):
                 if batch is not None and self._queue_run(batch, item, len(runs)):
                     runs.append(item)
+                    if int(batch.fill.sum()) >= MERGE_ROWS:
+                        self._send_batch(batch, runs)
+                        runs = []
                 else:
                     self._send_each(item)
             else:
