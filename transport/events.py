@@ -71,6 +71,10 @@ class DatagramRun:
     peer: int
     paths: np.ndarray
     tos: int
+    hdr_addr: int = -1
+    """The address of ``hdr``'s memory when the sender knows it (-1: the driver finds it)."""
+    payload_addr: int = -1
+    """The address of ``payload``'s memory when the sender knows it (-1: the driver finds it)."""
 
     def __len__(self) -> int:
         return int(self.chunks.shape[0])

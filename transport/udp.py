@@ -299,12 +299,13 @@ class UdpPaths:
         controls = self._controls.get(run.tos)
         if controls is None:
             controls = self._tos_controls(run.tos)
+        hdr_addr, pay_addr = run.hdr_addr, run.payload_addr
         return batch.append(
             run_id,
-            _mmsg.address_of(run.hdr),
+            hdr_addr if hdr_addr >= 0 else _mmsg.address_of(run.hdr),
             run.header_bytes,
             run.chunks,
-            _mmsg.address_of(run.payload),
+            pay_addr if pay_addr >= 0 else _mmsg.address_of(run.payload),
             run.starts,
             run.sizes,
             run.paths,

@@ -595,7 +595,11 @@ def test_data_payloads_are_views_of_the_callers_buffer_until_detached():
     every = np.arange(t.n_chunks)
 
     def wires(chunks: np.ndarray) -> list[bytes]:
-        return [d.wire() for d in t.run(chunks, np.zeros_like(chunks), 0)]
+        run = t.run(chunks, np.zeros_like(chunks), 0)
+        # The addresses a driver's sendmmsg table points at are those of the run's buffers.
+        assert run.hdr_addr == np.frombuffer(run.hdr, np.uint8).ctypes.data
+        assert run.payload_addr == np.frombuffer(run.payload, np.uint8).ctypes.data
+        return [d.wire() for d in run]
 
     before = wires(every)
     assert before[0] == dgs[0].wire() or any(d.wire() == before[0] for d in dgs)
