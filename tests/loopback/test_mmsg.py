@@ -460,3 +460,59 @@ def test_every_datagram_leaves_marked_with_its_class_tos(monkeypatch, mode):
     finally:
         for s in receivers.values():
             s.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+def test_an_ipv6_path_marks_its_datagrams_with_the_traffic_class():
+    """Over IPv6 the control message is IPV6_TCLASS: each run's datagrams arrive with its TOS
+    as their traffic class, in one sendmmsg for the pass."""
+    import asyncio
+
+    recv_tclass = int(getattr(socket, "IPV6_RECVTCLASS", 66))
+    tclass = int(getattr(socket, "IPV6_TCLASS", 67))
+    hb, tos_of = 48, (46 << 2, 8 << 2)
+    hdr = np.arange(4 * hb, dtype=np.uint8).reshape(4, hb)
+    payload = np.arange(4 * 100, dtype=np.uint8)
+    runs = [
+        DatagramRun(
+            hdr.reshape(-1).data,
+            hb,
+            payload.data,
+            np.array([2 * k, 2 * k + 1]),
+            np.array([200 * k, 200 * k + 100]),
+            np.array([100, 100]),
+            0,
+            np.zeros(2, dtype=np.int64),
+            tos,
+        )
+        for k, tos in enumerate(tos_of)
+    ]
+    rx = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    rx.bind(("::1", 0))
+    rx.setsockopt(socket.IPPROTO_IPV6, recv_tclass, 1)
+    rx.settimeout(5)
+
+    async def send() -> udp.UdpCounters:
+        u = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
+                         bufsize=1 << 20)  # fmt: skip
+        try:
+            await u.open([("::1", 0)], tos_values=tos_of)
+            u.set_peers([[rx.getsockname()]])
+            u.send(runs)
+            return u.counters
+        finally:
+            await u.wait_closed()
+
+    try:
+        c = asyncio.run(send())
+        assert c.tx_datagrams == 4 and c.tx_errors == 0
+        for k, tos in enumerate(tos_of):
+            for j in range(2):
+                data, anc, _, _ = rx.recvmsg(4096, socket.CMSG_SPACE(4))
+                c_ = 2 * k + j
+                assert data == hdr[c_].tobytes() + payload[100 * c_ : 100 * c_ + 100].tobytes()
+                got = [x[2] for x in anc if x[0] == socket.IPPROTO_IPV6 and x[1] == tclass]
+                assert got and int.from_bytes(got[0][:4], "little") == tos
+    finally:
+        rx.close()
