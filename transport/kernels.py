@@ -100,11 +100,14 @@ __all__ = [
 
 def _template(header: Header, dtype: DType) -> np.ndarray:
     """The kernels' header template (``header_template`` of header u32 words 0..5)."""
-    return header_template(
-        header_words(
-            header.kind, header.phase, dtype, header.job, header.step, header.bucket,
-            header.shard, header.src, header.dst,
-        )
+    return header_template(_words_of(header, dtype))
+
+
+def _words_of(header: Header, dtype: DType) -> np.ndarray:
+    """:func:`header_words` of a :class:`Header` (its dtype replaced by ``dtype``)."""
+    return header_words(
+        header.kind, header.phase, dtype, header.job, header.step, header.bucket, header.shard,
+        header.src, header.dst,
     )  # fmt: skip
 
 
@@ -519,14 +522,10 @@ def write_headers(
     flags_a, _ = _per_chunk_u8("flags", flags, n_chunks)
     if n_chunks == 0:
         return 0
-    words = header_words(
-        header.kind, header.phase, wire, header.job, header.step, header.bucket, header.shard,
-        header.src, header.dst,
-    )  # fmt: skip
     counts = chunk_counts(bits.shape[0], chunk_elems)
     fill_headers(
-        rows[:n_chunks], src, counts, stats, dtype=wire, words=words, chunk_elems=chunk_elems,
-        key=key, prio=prio_a, flags=flags_a, first_chunk=first,
+        rows[:n_chunks], src, counts, stats, dtype=wire, words=_words_of(header, wire),
+        chunk_elems=chunk_elems, key=key, prio=prio_a, flags=flags_a, first_chunk=first,
     )  # fmt: skip
     return n_chunks
 

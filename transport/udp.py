@@ -359,10 +359,11 @@ class UdpPaths:
                 c.unroutable += 1
                 continue
             tr, _, dest, fallback = route
-            tr.sendto(dg.wire(), dest)
+            wire = dg.wire()
+            tr.sendto(wire, dest)
             c.tx_datagrams += 1
             c.tos_fallback += fallback
-            c.tx_bytes += len(dg.wire())
+            c.tx_bytes += len(wire)
 
     def _peer_names(self, peer: int) -> np.ndarray | None:
         """``(address, length)`` of each local path's ``struct sockaddr`` for ``peer`` (its
