@@ -5,6 +5,13 @@ Usage::
     python -m bench.allreduce --ranks 2,4 --sizes 1,25,100 --reps 5 --json out.json
     python -m bench.allreduce --quick --json /tmp/ar.json     # 2 ranks, 1 and 25 MB, 3 reps
     python -m bench.allreduce --daemon --json bench/results/allreduce_daemon.json
+    python -m bench.allreduce --chunk-bytes 1408 --gso-compare --no-zmq --sizes 25
+
+``--chunk-bytes`` sets the UDP datagrams' payload (65000 by default, loopback's largest; 1408
+is what a 1500-byte MTU carries, 8192 a jumbo frame's), and ``--gso-compare`` adds the
+reliable UDP engine with UDP GSO off (``udp_nogso``), interleaved with the others: with
+MTU-sized datagrams, GSO (one message per run of equal-sized datagrams) is what keeps the
+per-datagram cost of the kernel off the path; ``summary.nogso_vs_gso`` gives the ratios.
 
 ``--daemon`` compares hierarchical daemon mode with the embedded engine for the same 4-rank
 all-reduce: two "hosts" of two ranks, one ``gradlane daemon`` process per host (host h on
@@ -58,9 +65,10 @@ from typing import Any
 import numpy as np
 
 MB = 1 << 20
-TRANSPORTS = ("gloo", "udp_reliable", "udp_bounded", "zmq", "daemon")
+TRANSPORTS = ("gloo", "udp_reliable", "udp_nogso", "udp_bounded", "zmq", "daemon")
 SUMMARY_KEYS = {
     "udp_reliable": "udp_reliable_vs_gloo",
+    "udp_nogso": "udp_nogso_vs_gloo",
     "udp_bounded": "udp_bounded_vs_gloo",
     "zmq": "zmq_vs_gloo",
     "daemon": "daemon_vs_gloo",
@@ -80,12 +88,14 @@ def _free_port(host: str = "127.0.0.1", kind: int = socket.SOCK_STREAM) -> int:
 
 
 # -- rank process ----------------------------------------------------------------------------------
-def _udp_config(loss_bound: float) -> Any:
+def _udp_config(loss_bound: float, chunk_bytes: int = 65000, gso: bool = True) -> Any:
     from scheduling.loss import LossConfig
     from transport.config import loopback_config
 
     return loopback_config(
         n_paths=N_PATHS,
+        chunk_bytes=chunk_bytes,
+        udp_gso=gso,
         loss=LossConfig(
             loss_bound=loss_bound,
             hard_deadline_s=HARD_DEADLINE_S,
@@ -109,13 +119,13 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
     closers: list[Any] = []
     try:
         engines: dict[str, Any] = {}
-        kinds = (
-            (("udp_reliable", 0.0),)
-            if args["daemon"]
-            else (("udp_reliable", 0.0), ("udp_bounded", 0.02))
-        )
-        for name, bound in kinds:
-            e = Engine(rank, world, _udp_config(bound))
+        kinds = [("udp_reliable", 0.0, True)]
+        if args["gso_compare"]:
+            kinds.append(("udp_nogso", 0.0, False))
+        if not args["daemon"]:
+            kinds.append(("udp_bounded", 0.02, True))
+        for name, bound, gso in kinds:
+            e = Engine(rank, world, _udp_config(bound, args["chunk_bytes"], gso))
             closers.append(e)
             store.set(f"gl/{name}/{rank}", json.dumps(e.start()))
             engines[name] = e
@@ -434,6 +444,10 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     emb = float(np.median(times["udp_reliable"][mb_key]))
                     row["ratio_to_embedded"] = med / emb
                     summary["daemon_vs_embedded"][f"{world}x{mb:g}"] = med / emb
+                if t == "udp_nogso":  # how much slower the same engine is without GSO
+                    gso = float(np.median(times["udp_reliable"][mb_key]))
+                    row["ratio_to_gso"] = med / gso
+                    summary.setdefault("nogso_vs_gso", {})[f"{world}x{mb:g}"] = med / gso
                 rows.append(row)
     return {"rows": rows, "summary": summary}
 
@@ -481,6 +495,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per rank count")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=65000,
+        help="payload per UDP datagram (default 65000, loopback's largest; 1408 is MTU 1500's)",
+    )
+    ap.add_argument(
+        "--gso-compare",
+        action="store_true",
+        help="also run the reliable UDP engine with UDP GSO off (udp_nogso), interleaved",
+    )
+    ap.add_argument(
         "--daemon",
         action="store_true",
         help="daemon mode (2 hosts x ranks/2) against the embedded engine; default --ranks 4",
@@ -496,8 +521,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --reps >= 1, rank counts >= 2 and positive sizes")
     if ns.daemon and any(r % HOSTS for r in ranks):
         ap.error(f"--daemon splits the ranks over {HOSTS} hosts: give even rank counts")
+    if ns.chunk_bytes < 4 or ns.chunk_bytes % 4 or ns.chunk_bytes > 65000:
+        ap.error("--chunk-bytes must be a multiple of 4 in [4, 65000]")
     args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,
-            "zmq": not ns.no_zmq, "daemon": ns.daemon}  # fmt: skip
+            "zmq": not ns.no_zmq, "daemon": ns.daemon, "chunk_bytes": ns.chunk_bytes,
+            "gso_compare": ns.gso_compare}  # fmt: skip
     per_world: dict[int, dict[str, Any]] = {}
     for world in ranks:
         t0 = time.monotonic()
@@ -517,7 +545,6 @@ def main(argv: list[str] | None = None) -> int:
                 **args,
                 "ranks": ranks,
                 "n_paths": N_PATHS,
-                "chunk_bytes": 65000,
                 "cpus": os.cpu_count(),
                 "host_load": os.getloadavg(),
             },

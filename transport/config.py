@@ -87,6 +87,13 @@ class TransportConfig:
     """SO_RCVBUF / SO_SNDBUF asked for every UDP socket (forced past ``net.core.rmem_max`` when
     the process may; otherwise capped by it, with a warning). Datagrams that overflow a receive
     buffer are lost and resent: size it for the bursts a rank receives at once."""
+    udp_gso: bool = True
+    """Send runs of equal-sized datagrams to one peer as one UDP GSO message (Linux >= 4.18)
+    where the kernel has it: the stack is crossed once per message, not per datagram — what
+    makes MTU-sized chunks (1.4 KB on a 1500-byte MTU) affordable. A path whose kernel or
+    device refuses it falls back to one datagram per message by itself (counted as
+    ``gso_refused``). No effect when every datagram is over half the 64 KB GSO limit (the
+    loopback default)."""
     inject_loss: float = 0.0
     """Tests and demos only: the UDP engine drops this fraction of the datagrams it receives,
     at random (seeded by ``seed`` and the rank), before the protocol sees them, so that loss

@@ -102,6 +102,7 @@ class Engine:
             # Many datagrams per system call into the arena (recvmmsg), except when test loss
             # is injected per datagram.
             arena=None if cfg.inject_loss > 0 else endpoint,
+            gso=cfg.udp_gso,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

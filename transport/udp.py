@@ -27,7 +27,10 @@ message carries its own destination and its TOS as a control message (``IP_TOS``
 message's ancillary data sets for that datagram alone), so there is no Python and no system
 call per datagram, nor per peer or class. What the kernel refuses with EAGAIN mid-pass is
 queued as copies on the transport of its (path, TOS), as above, in order; a refused datagram
-(an ICMP error) is counted and skipped.
+(an ICMP error) is counted and skipped. Where the kernel has UDP GSO (``udp_gso``), a run's
+equal-sized datagrams on a path share one message (``_mmsg.SendBatch``), which the kernel cuts
+back into them; a path whose kernel refuses such a message (a device that cannot segment, a
+segment over the MTU) sends its datagrams one by one and stops using GSO.
 
 Receiving skips asyncio's datagram protocol: a reader callback on each receive socket reads
 straight into the driver's receive arena, up to ``READ_BURST`` datagrams per wakeup, with one
@@ -112,12 +115,21 @@ class UdpCounters:
     """Datagrams for a rank or path with no known address (dropped)."""
     tos_fallback: int = 0
     """Datagrams whose TOS had no socket of its own (sent on the path's main socket)."""
+    gso_sends: int = 0
+    """Messages that carried several datagrams with UDP GSO (counted in ``tx_datagrams`` as
+    the datagrams they carried)."""
+    gso_refused: int = 0
+    """GSO sends the kernel refused (a device that cannot segment, a segment over the MTU):
+    their datagrams went out one by one, and that path stopped using GSO."""
 
 
 #: How a (peer, path, tos) is sent one datagram at a time: transport, its socket, destination,
 #: and 1 if a TOS fallback.
 _Route = tuple[asyncio.DatagramTransport, socket.socket, Address, int]
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
+#: What a kernel answers a GSO send it cannot do: no UDP_SEGMENT (ENOPROTOOPT), a segment over
+#: the MTU or a socket without checksums (EINVAL, EMSGSIZE), a device that cannot segment (EIO).
+_GSO_REFUSED = (errno.EINVAL, errno.EIO, errno.EMSGSIZE, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
 
 
 class RxArena(Protocol):
@@ -172,8 +184,10 @@ class UdpPaths:
         *,
         bufsize: int,
         arena: RxArena | None = None,
+        gso: bool = True,
     ) -> None:
         self._rx_buffer = rx_buffer
+        self._gso = gso
         self._on_datagram = on_datagram
         self._on_readable = on_readable
         self._bufsize = bufsize
@@ -184,6 +198,7 @@ class UdpPaths:
         self._v6: list[bool] = []
         self._names: dict[int, np.ndarray] = {}  # peer -> per path (sockaddr address, length)
         self._controls: dict[int, np.ndarray] = {}  # tos -> per path (cmsg address, length)
+        self._gso_controls: dict[int, np.ndarray] = {}  # tos -> per path GSO control area
         self._keep: list[np.ndarray] = []  # the sockaddrs and cmsgs those tables point into
         self.counters = UdpCounters()
         self._transports: list[asyncio.DatagramTransport] = []
@@ -220,7 +235,9 @@ class UdpPaths:
                 self._v6.append(":" in host)
                 self._tx.append(tx)
             if _mmsg.AVAILABLE:
-                self._tx_batch = _mmsg.SendBatch(len(self._main))
+                batch = self._tx_batch = _mmsg.SendBatch(len(self._main))
+                for q, tr in enumerate(self._main):
+                    batch.gso[q] = self._gso and _mmsg.gso_supported(self._socks[tr])
         except BaseException:
             self.close()
             raise
@@ -266,8 +283,6 @@ class UdpPaths:
                     c.unroutable += 1
                     continue
             tr, sock, dest, fallback = r
-            c.tx_datagrams += 1
-            c.tos_fallback += fallback
             if payload is None:
                 # The socket's own call releases the GIL during the system call (the loop's
                 # transport holds it); asyncio copies what it has to queue when it is full.
@@ -279,9 +294,10 @@ class UdpPaths:
                     c.tx_errors += 1
                     log.debug("path %d: send error %s", path, e)
                     continue
+                c.tx_datagrams += 1
+                c.tos_fallback += fallback
                 c.tx_bytes += len(data)
                 continue
-            c.tx_bytes += len(data) + len(payload)
             try:
                 sock.sendmsg((data, payload), (), 0, dest)
             except (BlockingIOError, InterruptedError):
@@ -289,6 +305,10 @@ class UdpPaths:
             except OSError as e:  # e.g. an ICMP error reported on this send: count, go on
                 c.tx_errors += 1
                 log.debug("path %d: send error %s", path, e)
+                continue
+            c.tx_datagrams += 1
+            c.tos_fallback += fallback
+            c.tx_bytes += len(data) + len(payload)
 
     def _queue_run(self, batch: _mmsg.SendBatch, run: DatagramRun, run_id: int) -> bool:
         """Lay ``run`` out in the pass's ``sendmmsg`` tables; False when it must go one datagram
@@ -302,6 +322,11 @@ class UdpPaths:
         controls = self._controls.get(run.tos)
         if controls is None:
             controls = self._tos_controls(run.tos)
+        gso = self._gso_controls.get(run.tos)
+        if gso is None:
+            gso = self._gso_controls[run.tos] = np.stack(
+                [_mmsg.gso_control(run.tos, v6) for v6 in self._v6]
+            )
         hdr_addr, pay_addr = run.hdr_addr, run.payload_addr
         return batch.append(
             run_id,
@@ -314,6 +339,7 @@ class UdpPaths:
             run.paths,
             names,
             controls,
+            gso,
         )
 
     def _send_batch(self, batch: _mmsg.SendBatch, runs: list[DatagramRun]) -> None:
@@ -327,23 +353,50 @@ class UdpPaths:
                 i = 0
                 while i < n:
                     sent, err = batch.send(fd, q, i, n - i)
-                    c.tx_datagrams += sent
-                    if sent == n:
-                        c.tx_bytes += int(batch.nbytes[q])
-                    else:
+                    if sent:
+                        c.tx_datagrams += batch.row_datagrams(q, i, i + sent)
                         c.tx_bytes += batch.row_bytes(q, i, i + sent)
+                        c.gso_sends += int(np.count_nonzero(batch.count[q, i : i + sent] > 1))
                     i += sent
                     if i >= n:
                         break
                     if err in _AGAIN:  # the socket's buffer is full: the transports queue copies
                         self._queue_rows(batch, runs, q, i, n)
                         break
+                    if err in _GSO_REFUSED and batch.count[q, i] > 1:
+                        self._gso_refused(batch, runs, q, i, err)
+                        i += 1
+                        continue
                     # Refused (e.g. an ICMP error reported on this send): count, skip, go on.
-                    c.tx_errors += 1
+                    c.tx_errors += int(batch.count[q, i])
                     log.debug("path %d: send error %s", q, errno.errorcode.get(err, err))
                     i += 1
         finally:
             batch.clear()
+
+    def _gso_refused(
+        self, batch: _mmsg.SendBatch, runs: list[DatagramRun], q: int, row: int, err: int
+    ) -> None:
+        """The kernel refused GSO row ``row`` of path ``q`` with an error a GSO send can cause
+        (a device without checksum offload, a segment over the path's MTU) — or any send to a
+        bad address. Its datagrams go one by one; if any of them goes out, GSO was the cause:
+        that path stops using it (the rest of this pass's GSO rows on it take this way too)."""
+        c = self.counters
+        run = runs[int(batch.run[q, row])]
+        dgs = run.select(batch.row_order(q, row))
+        errors = c.tx_errors
+        self._send_each(dgs)
+        if c.tx_errors - errors == len(dgs):
+            return  # every one refused by itself: the destination, not GSO
+        c.gso_refused += 1
+        if batch.gso[q]:
+            batch.gso[q] = False
+            log.warning(
+                "path %d: the kernel refused a UDP GSO send (%s); sending one datagram per "
+                "message on this path from now on",
+                q,
+                errno.errorcode.get(err, err),
+            )
 
     def _queue_rows(
         self, batch: _mmsg.SendBatch, runs: list[DatagramRun], q: int, first: int, end: int
@@ -353,17 +406,17 @@ class UdpPaths:
         c = self.counters
         for r in range(first, end):
             run = runs[int(batch.run[q, r])]
-            dg = run.select(batch.order[q, r : r + 1])[0]
             route = self._routes.get((run.peer, q, run.tos)) or self._route(run.peer, q, run.tos)
             if route is None:  # cannot happen: the run was laid out for a known peer
-                c.unroutable += 1
+                c.unroutable += int(batch.count[q, r])
                 continue
             tr, _, dest, fallback = route
-            wire = dg.wire()
-            tr.sendto(wire, dest)
-            c.tx_datagrams += 1
-            c.tos_fallback += fallback
-            c.tx_bytes += len(wire)
+            for dg in run.select(batch.row_order(q, r)):
+                wire = dg.wire()
+                tr.sendto(wire, dest)
+                c.tx_datagrams += 1
+                c.tos_fallback += fallback
+                c.tx_bytes += len(wire)
 
     def _peer_names(self, peer: int) -> np.ndarray | None:
         """``(address, length)`` of each local path's ``struct sockaddr`` for ``peer`` (its

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import struct
 from collections.abc import Iterator
 
 import numpy as np
@@ -37,6 +38,25 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 
 _IP_RECVTOS = int(getattr(socket, "IP_RECVTOS", 13))
+
+
+_SO_NO_CHECK = 11  # asm-generic/socket.h: a UDP socket sends no checksums (and no GSO)
+
+
+def _two_path_receivers() -> list[socket.socket]:
+    """A bound UDP socket on each loopback path address (127.0.0.1, 127.0.0.2), 5 s timeout."""
+    peers = []
+    for host in ("127.0.0.1", "127.0.0.2"):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((host, 0))
+        s.settimeout(5)
+        peers.append(s)
+    return peers
+
+
+def _gso_here() -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        return _mmsg.gso_supported(s)
 
 
 def _recv_tos(sock: socket.socket, size: int = 70000) -> tuple[bytes, int]:
@@ -152,6 +172,69 @@ def test_runs_are_appended_per_path_in_run_order():
     assert batch.fill.tolist() == [0] * n_paths and batch.nbytes.tolist() == [0] * n_paths
 
 
+def test_gso_messages_hold_equal_sized_datagrams_of_one_run():
+    """On a GSO path, a run's datagrams share a message while they have its first one's size (a
+    shorter one ends it), up to the segment and byte limits; another run, or a larger
+    datagram, starts a new message; a path without GSO keeps one datagram per message. Each
+    GSO message points at its datagrams' consecutive iovecs and at a control area holding the
+    run's TOS and the segment size; pointers stay right when the tables grow mid-pass."""
+    hb = 48
+    batch = _mmsg.SendBatch(2, capacity=8)  # grows during the first run
+    batch.gso[:] = [True, False]
+    names = np.array([[100, 16], [200, 16]], dtype=np.uint64)
+    controls = np.array([[300, 24], [400, 24]], dtype=np.uint64)
+    tpl = np.stack([_mmsg.gso_control(0xB8, False), _mmsg.gso_control(0xB8, False)])
+    sizes0 = np.array([1000] * 30 + [500] + [1000] * 69 + [1000, 1200], dtype=np.int64)
+    n0 = sizes0.shape[0]
+    paths0 = np.zeros(n0, dtype=np.int64)
+    paths0[-2:] = [1, 0]  # one datagram on the path without GSO; a larger one ends a message
+    starts0 = np.arange(n0, dtype=np.int64) * 2000
+    chunks0 = np.arange(n0, dtype=np.int64)
+    assert batch.append(0, 10**6, hb, chunks0, 10**7, starts0, sizes0, paths0, names, controls,
+                        tpl)  # fmt: skip
+    sizes1 = np.full(3, 1000, dtype=np.int64)
+    z3 = np.zeros(3, dtype=np.int64)
+    assert batch.append(1, 10**6, hb, z3, 10**7, z3, sizes1, z3, names, controls, tpl)
+    # Path 0: 30 full + the short one; 62 full (63 would pass 65507 bytes); the last 7; the
+    # 1200 alone (larger than the message's size); then run 1's three in a message of their own.
+    assert batch.fill.tolist() == [5, 1]
+    assert batch.count[0, :5].tolist() == [31, 62, 7, 1, 3]
+    assert batch.run[0, :5].tolist() == [0, 0, 0, 0, 1]
+    assert batch.row_datagrams(0, 0, 5) == n0 - 1 + 3
+    assert batch.row_bytes(0, 0, 5) + batch.row_bytes(1, 0, 1) == int(batch.nbytes.sum())
+    assert int(batch.nbytes.sum()) == (n0 + 3) * hb + int(sizes0.sum() + sizes1.sum())
+    assert batch.row_order(0, 1).tolist() == list(range(31, 93))
+    assert batch.row_order(1, 0).tolist() == [n0 - 2]
+    ctl_len = _mmsg.GSO_CONTROL_BYTES
+    for r, seg in enumerate([1048, 1048, 1048, 1248, 1048]):
+        m = batch.msgs[0, r]
+        k = int(batch.count[0, r])
+        a = int(batch.slot0[0, r])
+        assert m["iov"] == batch.iov[0, a].ctypes.data and m["iovlen"] == 2 * k
+        assert (m["name"], m["namelen"]) == (100, 16)
+        if k == 1:
+            assert (m["control"], m["controllen"]) == (300, 24)
+            continue
+        assert (m["control"], m["controllen"]) == (batch.ctl[0, r].ctypes.data, ctl_len)
+        ctl = batch.ctl[0, r]
+        assert ctl[:24].tobytes() == _mmsg.tos_cmsg(0xB8, False).tobytes()
+        assert ctl[24:40].tobytes() == struct.pack("<Qii", 18, 17, 103)  # SOL_UDP, UDP_SEGMENT
+        assert int.from_bytes(ctl[40:42].tobytes(), "little") == seg
+        first = batch.order[0, a]
+        assert batch.iov[0, a].tolist() == [
+            [10**6 + int(chunks0[first]) * hb if r < 4 else 10**6, hb],
+            [10**7 + (int(starts0[first]) if r < 4 else 0), 1000 if r != 3 else 1200],
+        ]
+    m = batch.msgs[1, 0]
+    assert m["iovlen"] == 2 and (m["control"], m["controllen"]) == (400, 24)
+    small = np.full(130, 52, dtype=np.int64)  # 100-byte datagrams: the segment limit binds
+    z = np.zeros(130, dtype=np.int64)
+    assert batch.append(2, 0, hb, z, 0, z, small, z, names, controls, tpl)
+    assert batch.count[0, 5:8].tolist() == [_mmsg.GSO_MAX_SEGMENTS, _mmsg.GSO_MAX_SEGMENTS, 2]
+    batch.clear()
+    assert batch.fill.tolist() == [0, 0] and batch.slots.tolist() == [0, 0]
+
+
 def test_a_datagram_longer_than_a_row_reads_as_oversized(pair):
     rx, tx = pair
     for size in (100, 5000, 4096):
@@ -181,12 +264,7 @@ def test_a_run_over_two_paths_reaches_each_and_refused_datagrams_are_counted():
                       paths, 0)  # fmt: skip
     want = [hdr[c].tobytes() + payload[c * 1000 : c * 1000 + s].tobytes()
             for c, s in zip(chunks.tolist(), sizes.tolist(), strict=True)]  # fmt: skip
-    peers = []
-    for host in ("127.0.0.1", "127.0.0.2"):
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind((host, 0))
-        s.settimeout(5)
-        peers.append(s)
+    peers = _two_path_receivers()
 
     async def send(peer_addrs: list) -> udp.UdpCounters:
         u = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
@@ -255,6 +333,90 @@ def test_engines_all_reduce_exactly_with_and_without_batched_calls(monkeypatch, 
             e.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gso", [True, False])
+def test_engines_all_reduce_exactly_with_mtu_sized_datagrams(gso):
+    """1408-byte payloads (a 1500-byte MTU's): with GSO the runs leave as messages of many
+    datagrams (``gso_sends``), and the sum is exact either way."""
+    if gso and not _gso_here():
+        pytest.skip("this kernel has no UDP GSO (UDP_SEGMENT, Linux >= 4.18)")
+    cfg = TransportConfig(n_paths=2, chunk_bytes=1408, udp_gso=gso, socket_buffer_bytes=8 << 20)
+    for u in _pair_all_reduce(cfg, 300_001, seed=7):
+        assert u["tx_errors"] == 0 and u["gso_refused"] == 0
+        assert (u["gso_sends"] > 0) == gso
+        assert u["tx_datagrams"] >= 300_001 * 4 // 1408 // 2  # counted as datagrams
+
+
+def _pair_all_reduce(cfg: TransportConfig, n: int, seed: int, **engine_kw) -> list[dict]:
+    """Two engines all-reduce ``n`` random float32 values over loopback; asserts the exact sum
+    and returns each engine's socket counters."""
+    engines = [Engine(r, 2, cfg, **engine_kw) for r in range(2)]
+    try:
+        table = {r: e.start() for r, e in enumerate(engines)}
+        for e in engines:
+            e.set_peers(StaticPeers(table))
+        rng = np.random.default_rng(seed)
+        data = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+        futs = [e.submit(1, 0, d) for e, d in zip(engines, data, strict=True)]
+        for res, rep in (f.result(60) for f in futs):
+            np.testing.assert_array_equal(res, data[0] + data[1])
+            assert not rep.degraded
+        return [e.stats()["udp"] for e in engines]
+    finally:
+        for e in engines:
+            e.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not _gso_here(), reason="this kernel has no UDP GSO")
+def test_a_path_whose_kernel_refuses_gso_sends_one_datagram_per_message():
+    """A socket without UDP checksums (SO_NO_CHECK) makes the kernel refuse every GSO send
+    (EINVAL), as a device that cannot segment does: the refused messages' datagrams still go
+    out, one by one, byte for byte; it is counted once per refused message and logged; the
+    path stops using GSO (the next pass has no GSO message), the other path keeps it."""
+    import asyncio
+
+    hb, n = 48, 40
+    rng = np.random.default_rng(9)
+    hdr = rng.integers(0, 256, (n, hb), dtype=np.uint8)
+    payload = rng.integers(0, 256, n * 1000, dtype=np.uint8)
+    chunks = np.arange(n, dtype=np.int64)
+    sizes = np.full(n, 1000, dtype=np.int64)
+    paths = (chunks % 2).astype(np.int64)
+    run = DatagramRun(hdr.reshape(-1).data, hb, payload.data, chunks, chunks * 1000, sizes, 0,
+                      paths, 0)  # fmt: skip
+    want = [hdr[c].tobytes() + payload[c * 1000 : (c + 1) * 1000].tobytes() for c in range(n)]
+    peers = _two_path_receivers()
+
+    async def send() -> tuple[udp.UdpCounters, list[bool], int]:
+        u = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
+                         bufsize=1 << 20)  # fmt: skip
+        try:
+            await u.open([("127.0.0.1", 0), ("127.0.0.2", 0)])
+            assert u._tx_batch is not None and u._tx_batch.gso.tolist() == [True, True]
+            u._socks[u._main[1]].setsockopt(socket.SOL_SOCKET, _SO_NO_CHECK, 1)
+            u.set_peers([[p.getsockname() for p in peers]])
+            u.send([run])
+            refused = u.counters.gso_refused
+            u.send([run])  # path 1 sends without GSO now: nothing more refused
+            return u.counters, u._tx_batch.gso.tolist(), refused
+        finally:
+            await u.wait_closed()
+
+    try:
+        c, flags, refused = asyncio.run(send())
+        assert flags == [True, False]
+        assert refused >= 1 and c.gso_refused == refused
+        assert c.tx_datagrams == 2 * n and c.tx_errors == 0
+        assert c.gso_sends >= 2  # path 0's messages, both passes
+        for q, sock in enumerate(peers):
+            mine = [w for w, p in zip(want, paths.tolist(), strict=True) if p == q]
+            assert [sock.recv(4096) for _ in 2 * mine] == 2 * mine
+    finally:
+        for s in peers:
+            s.close()
+
+
 def _has_ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
@@ -269,20 +431,8 @@ def _has_ipv6_loopback() -> bool:
 def test_engines_all_reduce_exactly_over_ipv6():
     """sendmmsg to a sockaddr_in6 built by _mmsg.sockaddr reaches the peer (and nothing else)."""
     cfg = TransportConfig(n_paths=1, chunk_bytes=8192)
-    engines = [Engine(r, 2, cfg, local_addrs=["::1"]) for r in range(2)]
-    try:
-        table = {r: e.start() for r, e in enumerate(engines)}
-        for e in engines:
-            e.set_peers(StaticPeers(table))
-        rng = np.random.default_rng(4)
-        data = [rng.standard_normal(100_003).astype(np.float32) for _ in range(2)]
-        futs = [e.submit(1, 0, d) for e, d in zip(engines, data, strict=True)]
-        for res, _ in (f.result(30) for f in futs):
-            np.testing.assert_array_equal(res, data[0] + data[1])
-        assert all(e.stats()["udp"]["tx_errors"] == 0 for e in engines)
-    finally:
-        for e in engines:
-            e.close()
+    stats = _pair_all_reduce(cfg, 100_003, seed=4, local_addrs=["::1"])
+    assert all(u["tx_errors"] == 0 and u["gso_refused"] == 0 for u in stats)
 
 
 def test_a_control_datagram_goes_out_by_the_socket_or_queued_by_the_transport():
@@ -369,21 +519,26 @@ def test_poll_says_whether_it_read_every_socket_empty(batched):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["batched", "eagain", "one_at_a_time"])
+@pytest.mark.parametrize("mode", ["batched", "eagain", "one_at_a_time", "gso", "gso_eagain"])
 def test_every_datagram_leaves_marked_with_its_class_tos(monkeypatch, mode):
     """The DSCP of a priority class reaches the IP header of every datagram: runs of three
     classes to two peers over two paths, and a control datagram, sent in one call. Batched,
     they go out with one sendmmsg per path (each message's TOS from its control message);
     when the kernel takes only part of a path's rows (EAGAIN), the rest go out queued on the
     transports of their (path, TOS); without the batched calls, on the socket of their TOS.
-    Each receiver reads exactly its datagrams, byte for byte, each with its run's TOS."""
+    With UDP GSO, a run's equal-sized datagrams on a path share messages (a shorter one ends
+    a message) that the kernel cuts back into them. Each receiver reads exactly its
+    datagrams, byte for byte and one by one, each with its run's TOS."""
     import asyncio
 
     from transport.events import Datagram
 
+    gso = mode.startswith("gso")
+    if gso and not _gso_here():
+        pytest.skip("this kernel has no UDP GSO (UDP_SEGMENT, Linux >= 4.18)")
     if mode == "one_at_a_time":
         monkeypatch.setattr(udp._mmsg, "AVAILABLE", False)
-    if mode == "batched":  # the whole pass in one call per path (by default, 16 rows at a time)
+    if mode in ("batched", "gso"):  # the whole pass in one call per path (default: 16 rows)
         monkeypatch.setattr(udp, "MERGE_ROWS", 10**6)
     hb, tos_of = 48, (46 << 2, 26 << 2, 8 << 2)  # EF, AF31, CS1: the default classes' DSCP
     rng = np.random.default_rng(6)
@@ -394,6 +549,9 @@ def test_every_datagram_leaves_marked_with_its_class_tos(monkeypatch, mode):
         for cls, tos in enumerate(tos_of):
             chunks = np.arange(10 * (3 * peer + cls), 10 * (3 * peer + cls) + 10, dtype=np.int64)
             sizes = rng.integers(1, 1200, 10).astype(np.int64)
+            if gso:  # full-sized ones, a short one mid-run and one at the end
+                sizes[:] = 1200
+                sizes[[4, 9]] = rng.integers(1, 1200, 2)
             paths = rng.integers(0, 2, 10).astype(np.int64)
             run = DatagramRun(hdr.reshape(-1).data, hb, payload.data, chunks, chunks * 1200,
                               sizes, peer, paths, tos)  # fmt: skip
@@ -415,7 +573,7 @@ def test_every_datagram_leaves_marked_with_its_class_tos(monkeypatch, mode):
 
     async def send() -> udp.UdpCounters:
         u = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
-                         bufsize=1 << 20)  # fmt: skip
+                         bufsize=1 << 20, gso=gso)  # fmt: skip
         try:
             await u.open([("127.0.0.1", 0), ("127.0.0.2", 0)], tos_values=tos_of)
             u.set_peers([[receivers[(p, q)].getsockname() for q in range(2)] for p in range(2)])
@@ -424,7 +582,7 @@ def test_every_datagram_leaves_marked_with_its_class_tos(monkeypatch, mode):
 
                 def counted(fd: int, path: int, first: int, count: int) -> tuple[int, int]:
                     calls.append((path, count))
-                    if mode == "eagain" and first == 0 and count > 3:  # a full socket buffer
+                    if mode.endswith("eagain") and first == 0 and count > 3:  # a full buffer
                         return real(fd, path, first, 3)[0], errno.EAGAIN
                     return real(fd, path, first, count)
 
@@ -444,13 +602,18 @@ def test_every_datagram_leaves_marked_with_its_class_tos(monkeypatch, mode):
         assert c.tx_bytes == sum(len(w) for v in want.values() for w, _ in v)
         if mode == "one_at_a_time":
             assert calls == []
-        elif mode == "batched":  # one call per path for the whole pass
+        elif mode in ("batched", "gso"):  # one call per path for the whole pass
             assert sorted(p for p, _ in calls) == [0, 1]
-        else:  # 16 rows at a time: runs of 10 go out in pairs, each pair one call per path
+        elif mode == "eagain":  # 16 rows at a time: runs of 10 go out in pairs, a call per path
             assert len(calls) <= 6 and sum(n for _, n in calls) >= total - 1
+        if gso:  # messages of several datagrams went out: fewer rows than datagrams
+            assert c.gso_sends > 0 and c.gso_refused == 0
+            assert sum(n for _, n in calls) < total - 1
+        else:
+            assert c.gso_sends == 0
         for key, expected in want.items():
             got = [_recv_tos(receivers[key]) for _ in expected]
-            if mode == "eagain":  # the queued rows follow the 3 the kernel took, in order
+            if mode.endswith("eagain"):  # the queued rows follow what the kernel took
                 assert sorted(got) == sorted(expected)
             else:
                 assert got == expected

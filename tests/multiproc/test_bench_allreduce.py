@@ -35,3 +35,22 @@ def test_allreduce_benchmark_checks_results_and_writes_its_summary(tmp_path):
     for r in rows.values():
         assert r["cpu_user_median_s"] >= 0 and r["cpu_sys_median_s"] >= 0
         assert 0 < r["cpu_user_median_s"] + r["cpu_sys_median_s"] <= 2 * r["cpu_median_s"]
+
+
+@pytest.mark.timeout(300)
+def test_allreduce_benchmark_compares_gso_with_mtu_sized_datagrams(tmp_path):
+    """``--chunk-bytes 1408 --gso-compare``: the reliable UDP engine with and without GSO, both
+    checked against gloo's sum, and the ratio between them in the summary."""
+    path = tmp_path / "ar.json"
+    args = ["--ranks", "2", "--sizes", "1", "--reps", "2", "--no-zmq", "--chunk-bytes", "1408",
+            "--gso-compare", "--json", str(path)]  # fmt: skip
+    assert allreduce.main(args) == 0
+    doc = json.loads(path.read_text())
+    assert doc["config"]["chunk_bytes"] == 1408
+    rows = {r["transport"]: r for r in doc["rows"]}
+    assert set(rows) == {"gloo", "udp_reliable", "udp_nogso", "udp_bounded"}
+    for t in ("udp_reliable", "udp_nogso"):
+        assert rows[t]["check"]["ok_all_ranks"]
+        assert rows[t]["check"]["delivered_fraction_min_rank"] == 1.0
+    assert set(doc["summary"]["nogso_vs_gso"]) == {"2x1"}
+    assert doc["summary"]["nogso_vs_gso"]["2x1"] == rows["udp_nogso"]["ratio_to_gso"] > 0
