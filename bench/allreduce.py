@@ -5,13 +5,15 @@ Usage::
     python -m bench.allreduce --ranks 2,4 --sizes 1,25,100 --reps 5 --json out.json
     python -m bench.allreduce --quick --json /tmp/ar.json     # 2 ranks, 1 and 25 MB, 3 reps
     python -m bench.allreduce --daemon --json bench/results/allreduce_daemon.json
-    python -m bench.allreduce --chunk-bytes 1408 --gso-compare --no-zmq --sizes 25
+    python -m bench.allreduce --chunk-bytes 1408 --offload-compare --no-zmq --sizes 25
 
 ``--chunk-bytes`` sets the UDP datagrams' payload (65000 by default, loopback's largest; 1408
-is what a 1500-byte MTU carries, 8192 a jumbo frame's), and ``--gso-compare`` adds the
-reliable UDP engine with UDP GSO off (``udp_nogso``), interleaved with the others: with
-MTU-sized datagrams, GSO (one message per run of equal-sized datagrams) is what keeps the
-per-datagram cost of the kernel off the path; ``summary.nogso_vs_gso`` gives the ratios.
+is what a 1500-byte MTU carries, 8192 a jumbo frame's), and ``--offload-compare`` adds the
+reliable UDP engine with UDP GRO off (``udp_gso_only``) and with both GSO and GRO off
+(``udp_no_offload``), interleaved with the others: with MTU-sized datagrams, GSO (one message
+per run of equal-sized datagrams sent) and GRO (one per run received) are what keep the
+kernel's per-datagram cost off the path; ``summary.gso_only_vs_offload`` and
+``summary.no_offload_vs_offload`` give the ratios to the default engine (both on).
 
 ``--daemon`` compares hierarchical daemon mode with the embedded engine for the same 4-rank
 all-reduce: two "hosts" of two ranks, one ``gradlane daemon`` process per host (host h on
@@ -65,10 +67,15 @@ from typing import Any
 import numpy as np
 
 MB = 1 << 20
-TRANSPORTS = ("gloo", "udp_reliable", "udp_nogso", "udp_bounded", "zmq", "daemon")
+TRANSPORTS = (
+    "gloo", "udp_reliable", "udp_gso_only", "udp_no_offload", "udp_bounded", "zmq", "daemon"
+)  # fmt: skip
+#: ``--offload-compare``: the reliable engine again with UDP GRO off, and with GSO and GRO off.
+OFFLOAD_VARIANTS = {"udp_gso_only": (True, False), "udp_no_offload": (False, False)}
 SUMMARY_KEYS = {
     "udp_reliable": "udp_reliable_vs_gloo",
-    "udp_nogso": "udp_nogso_vs_gloo",
+    "udp_gso_only": "udp_gso_only_vs_gloo",
+    "udp_no_offload": "udp_no_offload_vs_gloo",
     "udp_bounded": "udp_bounded_vs_gloo",
     "zmq": "zmq_vs_gloo",
     "daemon": "daemon_vs_gloo",
@@ -88,7 +95,9 @@ def _free_port(host: str = "127.0.0.1", kind: int = socket.SOCK_STREAM) -> int:
 
 
 # -- rank process ----------------------------------------------------------------------------------
-def _udp_config(loss_bound: float, chunk_bytes: int = 65000, gso: bool = True) -> Any:
+def _udp_config(
+    loss_bound: float, chunk_bytes: int = 65000, gso: bool = True, gro: bool = True
+) -> Any:
     from scheduling.loss import LossConfig
     from transport.config import loopback_config
 
@@ -96,6 +105,7 @@ def _udp_config(loss_bound: float, chunk_bytes: int = 65000, gso: bool = True) -
         n_paths=N_PATHS,
         chunk_bytes=chunk_bytes,
         udp_gso=gso,
+        udp_gro=gro,
         loss=LossConfig(
             loss_bound=loss_bound,
             hard_deadline_s=HARD_DEADLINE_S,
@@ -119,13 +129,13 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
     closers: list[Any] = []
     try:
         engines: dict[str, Any] = {}
-        kinds = [("udp_reliable", 0.0, True)]
-        if args["gso_compare"]:
-            kinds.append(("udp_nogso", 0.0, False))
+        kinds = [("udp_reliable", 0.0, True, True)]
+        if args["offload_compare"]:
+            kinds += [(name, 0.0, *flags) for name, flags in OFFLOAD_VARIANTS.items()]
         if not args["daemon"]:
-            kinds.append(("udp_bounded", 0.02, True))
-        for name, bound, gso in kinds:
-            e = Engine(rank, world, _udp_config(bound, args["chunk_bytes"], gso))
+            kinds.append(("udp_bounded", 0.02, True, True))
+        for name, bound, gso, gro in kinds:
+            e = Engine(rank, world, _udp_config(bound, args["chunk_bytes"], gso, gro))
             closers.append(e)
             store.set(f"gl/{name}/{rank}", json.dumps(e.start()))
             engines[name] = e
@@ -444,10 +454,11 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     emb = float(np.median(times["udp_reliable"][mb_key]))
                     row["ratio_to_embedded"] = med / emb
                     summary["daemon_vs_embedded"][f"{world}x{mb:g}"] = med / emb
-                if t == "udp_nogso":  # how much slower the same engine is without GSO
-                    gso = float(np.median(times["udp_reliable"][mb_key]))
-                    row["ratio_to_gso"] = med / gso
-                    summary.setdefault("nogso_vs_gso", {})[f"{world}x{mb:g}"] = med / gso
+                if t in OFFLOAD_VARIANTS:  # the same engine without (some) offloads, against it
+                    full = float(np.median(times["udp_reliable"][mb_key]))
+                    row["ratio_to_offload"] = med / full
+                    key = f"{t.removeprefix('udp_')}_vs_offload"
+                    summary.setdefault(key, {})[f"{world}x{mb:g}"] = med / full
                 rows.append(row)
     return {"rows": rows, "summary": summary}
 
@@ -501,9 +512,10 @@ def main(argv: list[str] | None = None) -> int:
         help="payload per UDP datagram (default 65000, loopback's largest; 1408 is MTU 1500's)",
     )
     ap.add_argument(
-        "--gso-compare",
+        "--offload-compare",
         action="store_true",
-        help="also run the reliable UDP engine with UDP GSO off (udp_nogso), interleaved",
+        help="also run the reliable UDP engine with UDP GRO off (udp_gso_only) and with GSO "
+        "and GRO off (udp_no_offload), interleaved",
     )
     ap.add_argument(
         "--daemon",
@@ -525,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--chunk-bytes must be a multiple of 4 in [4, 65000]")
     args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,
             "zmq": not ns.no_zmq, "daemon": ns.daemon, "chunk_bytes": ns.chunk_bytes,
-            "gso_compare": ns.gso_compare}  # fmt: skip
+            "offload_compare": ns.offload_compare}  # fmt: skip
     per_world: dict[int, dict[str, Any]] = {}
     for world in ranks:
         t0 = time.monotonic()

@@ -94,6 +94,11 @@ class TransportConfig:
     device refuses it falls back to one datagram per message by itself (counted as
     ``gso_refused``). No effect when every datagram is over half the 64 KB GSO limit (the
     loopback default)."""
+    udp_gro: bool = True
+    """Receive with UDP GRO (Linux >= 5.0) where datagrams are at most 4 KB: the kernel hands
+    over a run of a peer's equal-sized datagrams as one message, which the engine splits into
+    its receive arena (a copy of bytes still in cache). Not for larger datagrams, where the
+    copy costs about what the kernel saves (``udp.GRO_MAX_ROW``)."""
     inject_loss: float = 0.0
     """Tests and demos only: the UDP engine drops this fraction of the datagrams it receives,
     at random (seeded by ``seed`` and the rank), before the protocol sees them, so that loss

@@ -103,6 +103,7 @@ class Engine:
             # is injected per datagram.
             arena=None if cfg.inject_loss > 0 else endpoint,
             gso=cfg.udp_gso,
+            gro=cfg.udp_gro,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -54,6 +54,26 @@ def _two_path_receivers() -> list[socket.socket]:
     return peers
 
 
+def _kilobyte_run(
+    n: int, seed: int, paths: np.ndarray, last: int | None = None
+) -> tuple[DatagramRun, list[bytes]]:
+    """A run of ``n`` datagrams to peer 0 (TOS 0): random 48-byte headers and 1000-byte
+    payloads (the last ``last`` bytes long, if given) on ``paths``; and each one's bytes."""
+    hb = 48
+    rng = np.random.default_rng(seed)
+    hdr = rng.integers(0, 256, (n, hb), dtype=np.uint8)
+    payload = rng.integers(0, 256, n * 1000, dtype=np.uint8)
+    chunks = np.arange(n, dtype=np.int64)
+    sizes = np.full(n, 1000, dtype=np.int64)
+    if last is not None:
+        sizes[-1] = last
+    run = DatagramRun(hdr.reshape(-1).data, hb, payload.data, chunks, chunks * 1000, sizes, 0,
+                      paths, 0)  # fmt: skip
+    want = [hdr[c].tobytes() + payload[c * 1000 : c * 1000 + int(sizes[c])].tobytes()
+            for c in range(n)]  # fmt: skip
+    return run, want
+
+
 def _gso_here() -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         return _mmsg.gso_supported(s)
@@ -235,6 +255,95 @@ def test_gso_messages_hold_equal_sized_datagrams_of_one_run():
     assert batch.fill.tolist() == [0, 0] and batch.slots.tolist() == [0, 0]
 
 
+def test_gro_table_finds_segment_sizes_and_splits_messages_across_calls():
+    """The UDP_GRO control message is found among others (or missing: one datagram); a
+    message of datagrams of its segment size (the last shorter) is split into arena rows
+    across calls as rows run out; a datagram wider than a row is cut and reads as one byte
+    longer than the row (the caller's "oversized")."""
+    table = _mmsg.GroTable(2)
+    other = struct.pack("<Qii", 20, 0, 1) + b"\0" * 8  # an IP_TOS-like one first (CMSG_SPACE 24)
+    gro = struct.pack("<QiiI", 20, 17, 104, 100)
+    ctl = np.zeros((2, 64), dtype=np.uint8)
+    ctl[0, : len(other) + len(gro)] = np.frombuffer(other + gro, dtype=np.uint8)
+    lengths = np.array([430, 70], dtype=np.int64)
+    controllen = np.array([len(other) + len(gro), 0], dtype=np.int64)
+    _mmsg._gro_sizes(lengths, controllen, ctl, table.lengths, table.segments)
+    assert table.lengths.tolist() == [430, 70] and table.segments.tolist() == [100, 0]
+    table.stage[0, :430] = np.arange(430) % 251
+    table.stage[1, :70] = 7
+    arena = np.zeros((3, 120), dtype=np.uint8)
+    out = np.zeros(3, dtype=np.int64)
+    assert table.split(2, 0, 0, arena, 0, out) == (3, 0, 3)
+    assert out.tolist() == [100, 100, 100]
+    assert [arena[i, :100].tolist() for i in range(3)] == [
+        (np.arange(100 * i, 100 * i + 100) % 251).tolist() for i in range(3)
+    ]
+    assert table.split(2, 0, 3, arena, 0, out) == (3, 2, 0)
+    assert out.tolist() == [100, 30, 70]
+    assert arena[1, :30].tolist() == (np.arange(400, 430) % 251).tolist()
+    assert arena[2, :70].tolist() == [7] * 70
+    narrow = np.zeros((8, 50), dtype=np.uint8)
+    out = np.zeros(8, dtype=np.int64)
+    assert table.split(2, 0, 0, narrow, 2, out) == (6, 2, 0)  # from row 2: 6 rows
+    assert out[:6].tolist() == [51, 51, 51, 51, 30, 51]
+    assert narrow[2, :50].tolist() == (np.arange(50) % 251).tolist()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not _gso_here(), reason="this kernel has no UDP GSO")
+def test_gro_hands_the_arena_every_datagram_of_coalesced_runs():
+    """A receiving adapter with GRO gets a GSO sender's runs as coalesced messages and commits
+    every datagram into its arena's rows, byte for byte and in order, across arena flushes
+    (8 rows for 45 datagrams); a plain datagram in between comes through as itself."""
+    import asyncio
+
+    n = 44
+    run, want = _kilobyte_run(n, 12, np.zeros(n, dtype=np.int64), last=321)
+    got: list[bytes] = []
+
+    class Arena:
+        """8 rows; committed rows are kept and the arena emptied when full, as the
+        endpoint processes a full batch."""
+
+        rx_arena = np.zeros((8, 1100), dtype=np.uint8)
+        rx_free = 0
+
+        def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
+            a = self.rx_free
+            assert a + len(lengths) <= 8 and path == 0
+            got.extend(self.rx_arena[a + i, :k].tobytes() for i, k in enumerate(lengths))
+            self.rx_free = 0 if a + len(lengths) == 8 else a + len(lengths)
+
+    async def run_it() -> tuple[udp.UdpCounters, udp.UdpCounters, list[bool]]:
+        rx = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
+                          bufsize=1 << 20, arena=Arena())  # fmt: skip
+        tx = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
+                          bufsize=1 << 20)  # fmt: skip
+        try:
+            (addr,) = await rx.open([("127.0.0.1", 0)])
+            await tx.open([("127.0.0.1", 0)])
+            tx.set_peers([[addr]])
+            tx.send([run])
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as plain:
+                plain.sendto(b"plain", addr)
+            tx.send([run])
+            for _ in range(100):  # every datagram is on the socket already
+                if not rx.poll():
+                    continue
+                if len(got) >= 2 * n + 1:
+                    break
+            return rx.counters, tx.counters, rx._gro_paths
+        finally:
+            await rx.wait_closed()
+            await tx.wait_closed()
+
+    c, t, flags = asyncio.run(run_it())
+    assert flags == [True] and t.gso_sends >= 2
+    assert got == [*want, b"plain", *want]
+    assert c.rx_datagrams == 2 * n + 1 and c.rx_bytes == sum(map(len, got))
+    assert c.gro_messages >= 2 and c.rx_errors == 0
+
+
 def test_a_datagram_longer_than_a_row_reads_as_oversized(pair):
     rx, tx = pair
     for size in (100, 5000, 4096):
@@ -344,6 +453,8 @@ def test_engines_all_reduce_exactly_with_mtu_sized_datagrams(gso):
     for u in _pair_all_reduce(cfg, 300_001, seed=7):
         assert u["tx_errors"] == 0 and u["gso_refused"] == 0
         assert (u["gso_sends"] > 0) == gso
+        # GRO (on in both runs) coalesces what arrives as GSO messages, on loopback whole.
+        assert (u["gro_messages"] > 0) == gso
         assert u["tx_datagrams"] >= 300_001 * 4 // 1408 // 2  # counted as datagrams
 
 
@@ -376,16 +487,9 @@ def test_a_path_whose_kernel_refuses_gso_sends_one_datagram_per_message():
     path stops using GSO (the next pass has no GSO message), the other path keeps it."""
     import asyncio
 
-    hb, n = 48, 40
-    rng = np.random.default_rng(9)
-    hdr = rng.integers(0, 256, (n, hb), dtype=np.uint8)
-    payload = rng.integers(0, 256, n * 1000, dtype=np.uint8)
-    chunks = np.arange(n, dtype=np.int64)
-    sizes = np.full(n, 1000, dtype=np.int64)
-    paths = (chunks % 2).astype(np.int64)
-    run = DatagramRun(hdr.reshape(-1).data, hb, payload.data, chunks, chunks * 1000, sizes, 0,
-                      paths, 0)  # fmt: skip
-    want = [hdr[c].tobytes() + payload[c * 1000 : (c + 1) * 1000].tobytes() for c in range(n)]
+    n = 40
+    paths = np.arange(n, dtype=np.int64) % 2
+    run, want = _kilobyte_run(n, 9, paths)
     peers = _two_path_receivers()
 
     async def send() -> tuple[udp.UdpCounters, list[bool], int]:

@@ -38,19 +38,21 @@ def test_allreduce_benchmark_checks_results_and_writes_its_summary(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_allreduce_benchmark_compares_gso_with_mtu_sized_datagrams(tmp_path):
-    """``--chunk-bytes 1408 --gso-compare``: the reliable UDP engine with and without GSO, both
-    checked against gloo's sum, and the ratio between them in the summary."""
+def test_allreduce_benchmark_compares_offloads_with_mtu_sized_datagrams(tmp_path):
+    """``--chunk-bytes 1408 --offload-compare``: the reliable UDP engine with GSO and GRO, with
+    GSO only, and with neither, each checked against gloo's sum, and their ratios to the
+    first in the summary."""
     path = tmp_path / "ar.json"
     args = ["--ranks", "2", "--sizes", "1", "--reps", "2", "--no-zmq", "--chunk-bytes", "1408",
-            "--gso-compare", "--json", str(path)]  # fmt: skip
+            "--offload-compare", "--json", str(path)]  # fmt: skip
     assert allreduce.main(args) == 0
     doc = json.loads(path.read_text())
     assert doc["config"]["chunk_bytes"] == 1408
     rows = {r["transport"]: r for r in doc["rows"]}
-    assert set(rows) == {"gloo", "udp_reliable", "udp_nogso", "udp_bounded"}
-    for t in ("udp_reliable", "udp_nogso"):
+    assert set(rows) == {"gloo", "udp_reliable", "udp_gso_only", "udp_no_offload", "udp_bounded"}
+    for t in ("udp_reliable", "udp_gso_only", "udp_no_offload"):
         assert rows[t]["check"]["ok_all_ranks"]
         assert rows[t]["check"]["delivered_fraction_min_rank"] == 1.0
-    assert set(doc["summary"]["nogso_vs_gso"]) == {"2x1"}
-    assert doc["summary"]["nogso_vs_gso"]["2x1"] == rows["udp_nogso"]["ratio_to_gso"] > 0
+    for t in ("gso_only", "no_offload"):
+        ratio = doc["summary"][f"{t}_vs_offload"]
+        assert set(ratio) == {"2x1"} and ratio["2x1"] == rows[f"udp_{t}"]["ratio_to_offload"] > 0
