@@ -533,8 +533,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --reps >= 1, rank counts >= 2 and positive sizes")
     if ns.daemon and any(r % HOSTS for r in ranks):
         ap.error(f"--daemon splits the ranks over {HOSTS} hosts: give even rank counts")
-    if ns.chunk_bytes < 4 or ns.chunk_bytes % 4 or ns.chunk_bytes > 65000:
-        ap.error("--chunk-bytes must be a multiple of 4 in [4, 65000]")
+    from transport.errors import ConfigError
+
+    try:  # the config's own check, here rather than in every rank process
+        _udp_config(0.0, ns.chunk_bytes)
+    except ConfigError as e:
+        ap.error(f"--chunk-bytes: {e}")
     args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,
             "zmq": not ns.no_zmq, "daemon": ns.daemon, "chunk_bytes": ns.chunk_bytes,
             "offload_compare": ns.offload_compare}  # fmt: skip

@@ -205,8 +205,9 @@ class SendBatch:
         self.iov = np.zeros((self.n_paths, 0, 2, 2), dtype=np.uint64)
         self.order = np.zeros((self.n_paths, 0), dtype=np.int64)
         self.ctl = np.zeros((self.n_paths, 0, GSO_CONTROL_BYTES), dtype=np.uint8)
-        # Per row: run, first slot, datagram count, bytes, segment size, last datagram's size.
-        self._rows = np.zeros((6, self.n_paths, 0), dtype=np.int64)
+        # Per row: run, first slot, datagram count, segment size, last datagram's size (the
+        # row's bytes follow: (count - 1) * segment + last).
+        self._rows = np.zeros((5, self.n_paths, 0), dtype=np.int64)
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
@@ -214,7 +215,7 @@ class SendBatch:
         msgs = np.zeros((p, capacity), dtype=MSG_DTYPE)
         iov = np.zeros((p, capacity, 2, 2), dtype=np.uint64)
         order = np.zeros((p, capacity), dtype=np.int64)
-        rows = np.zeros((6, p, capacity), dtype=np.int64)
+        rows = np.zeros((5, p, capacity), dtype=np.int64)
         ctl = np.zeros((p, capacity, GSO_CONTROL_BYTES), dtype=np.uint8)
         if old:  # rows already laid out this pass move along; their pointers are redone below
             msgs[:, :old] = self.msgs
@@ -225,7 +226,7 @@ class SendBatch:
         self.msgs, self.iov, self.order, self.ctl = msgs, iov, order, ctl
         self._rows = rows
         self.run, self.slot0, self.count = rows[0], rows[1], rows[2]
-        self.row_nbytes = rows[3]
+        self._seg, self._last = rows[3], rows[4]
         self._words = msgs.view(np.uint64).reshape(p, capacity, MSG_DTYPE.itemsize // 8)
         self._base = int(msgs.ctypes.data)
         self._iov_base = int(iov.ctypes.data)
@@ -277,7 +278,8 @@ class SendBatch:
 
     def row_bytes(self, path: int, first: int, end: int) -> int:
         """Bytes (headers and payloads) of rows ``first .. end - 1`` of ``path``."""
-        return int(self.row_nbytes[path, first:end].sum())
+        count = self.count[path, first:end]
+        return int(((count - 1) * self._seg[path, first:end] + self._last[path, first:end]).sum())
 
     def row_datagrams(self, path: int, first: int, end: int) -> int:
         """Datagrams in rows ``first .. end - 1`` of ``path``."""
@@ -352,7 +354,7 @@ def _append(
     for i in range(chunks.shape[0]):
         if paths[i] < 0 or paths[i] >= n_paths:
             return False
-    run, slot0, count, rbytes, seg, last = rows[0], rows[1], rows[2], rows[3], rows[4], rows[5]
+    run, slot0, count, seg, last = rows[0], rows[1], rows[2], rows[3], rows[4]
     for i in range(chunks.shape[0]):
         q = paths[i]
         d = slots[q]
@@ -373,10 +375,9 @@ def _append(
             and count[q, r] < GSO_MAX_SEGMENTS
             and last[q, r] == seg[q, r]  # every datagram so far is full-sized
             and length <= seg[q, r]
-            and rbytes[q, r] + length <= GSO_MAX_BYTES
+            and count[q, r] * seg[q, r] + length <= GSO_MAX_BYTES  # all full so far: see above
         ):
             count[q, r] += 1
-            rbytes[q, r] += length
             last[q, r] = length
             w = words[q, r]
             w[3] = 2 * count[q, r]  # msg_iovlen: this row's iovecs are consecutive
@@ -393,7 +394,6 @@ def _append(
         run[q, r] = run_id
         slot0[q, r] = d
         count[q, r] = 1
-        rbytes[q, r] = length
         seg[q, r] = length
         last[q, r] = length
         w = words[q, r]
@@ -414,10 +414,9 @@ def warm_up() -> None:
     GRO receive) does not compile them. No system call is made."""
     z = np.zeros(1, dtype=np.int64)
     pairs = np.zeros((1, 2), dtype=np.uint64)
-    batch = SendBatch(1, 1)
-    batch.append(0, 0, 1, z, 0, z, z, z, pairs, pairs)
-    batch.gso[:] = True  # the same signature: a GSO-enabled path's run compiles nothing new
-    batch.append(0, 0, 1, z, 0, z, z, z, pairs, pairs, np.zeros((1, GSO_CONTROL_BYTES), np.uint8))
+    # One signature whether a path has GSO or not (its flags and control areas are arrays of
+    # the same types either way).
+    SendBatch(1, 1).append(0, 0, 1, z, 0, z, z, z, pairs, pairs)
     # The GRO table's parser and splitter, with the endpoint arena's types.
     gro = GroTable(1)
     ones = np.ones(1, dtype=np.int64)

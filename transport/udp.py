@@ -286,9 +286,11 @@ class UdpPaths:
             assert batch is not None
             self._send_batch(batch, runs)
 
-    def _send_each(self, datagrams: Iterable[Datagram]) -> None:
+    def _send_each(self, datagrams: Iterable[Datagram]) -> int:
+        """Send (or queue) each datagram on its (path, TOS) socket; returns how many went."""
         c = self.counters
         routes, route = self._routes, self._route
+        went = 0
         for data, peer, path, tos, payload in datagrams:
             r = routes.get((peer, path, tos))
             if r is None:
@@ -308,6 +310,7 @@ class UdpPaths:
                     c.tx_errors += 1
                     log.debug("path %d: send error %s", path, e)
                     continue
+                went += 1
                 c.tx_datagrams += 1
                 c.tos_fallback += fallback
                 c.tx_bytes += len(data)
@@ -320,9 +323,11 @@ class UdpPaths:
                 c.tx_errors += 1
                 log.debug("path %d: send error %s", path, e)
                 continue
+            went += 1
             c.tx_datagrams += 1
             c.tos_fallback += fallback
             c.tx_bytes += len(data) + len(payload)
+        return went
 
     def _queue_run(self, batch: _mmsg.SendBatch, run: DatagramRun, run_id: int) -> bool:
         """Lay ``run`` out in the pass's ``sendmmsg`` tables; False when it must go one datagram
@@ -395,14 +400,10 @@ class UdpPaths:
         (a device without checksum offload, a segment over the path's MTU) — or any send to a
         bad address. Its datagrams go one by one; if any of them goes out, GSO was the cause:
         that path stops using it (the rest of this pass's GSO rows on it take this way too)."""
-        c = self.counters
         run = runs[int(batch.run[q, row])]
-        dgs = run.select(batch.row_order(q, row))
-        errors = c.tx_errors
-        self._send_each(dgs)
-        if c.tx_errors - errors == len(dgs):
+        if not self._send_each(run.select(batch.row_order(q, row))):
             return  # every one refused by itself: the destination, not GSO
-        c.gso_refused += 1
+        self.counters.gso_refused += 1
         if batch.gso[q]:
             batch.gso[q] = False
             log.warning(
