@@ -315,3 +315,21 @@ def splitmix64(z: np.uint64) -> np.uint64:
     z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
     return z ^ (z >> _U64(31))
+
+
+@njit(nogil=True, cache=True)
+def copy_bytes(dst: np.ndarray, src: np.ndarray, a: int, k: int) -> None:
+    """``dst[:k] = src[a : a + k]``, by 8-byte words where ``a`` allows (segment sizes are
+    multiples of 8 in practice): a byte loop with these run-time bounds was not vectorised and
+    copied at ~1.5 GB/s, the words at ~7."""
+    j = 0
+    if a % 8 == 0:
+        d64 = dst[: (dst.shape[0] // 8) * 8].view(np.uint64)
+        s64 = src[: (src.shape[0] // 8) * 8].view(np.uint64)
+        base = a // 8
+        words = k // 8
+        for i in range(words):
+            d64[i] = s64[base + i]
+        j = words * 8
+    for i in range(j, k):
+        dst[i] = src[a + i]

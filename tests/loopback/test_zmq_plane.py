@@ -17,9 +17,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from scheduling.loss import LossConfig
 from tests.loopback.checks import check_pinned_goes_in_class_0
+from transport import zmq_batch
 from transport.errors import PeerTimeout, TransferFailed
 from transport.zmq_control import (
     Announcement,
@@ -304,3 +306,45 @@ def test_scale_multiplies_the_sum(ipc_dir, closing):
     for f in futs:
         result, _ = f.result(timeout=RESULT_TIMEOUT_S)
         np.testing.assert_allclose(result, (xs[0] + xs[1]) * 0.5, rtol=1e-6, atol=1e-6)
+
+
+def _batch(count: int, *records: bytes) -> bytes:
+    """A batch frame (transport.zmq_batch's layout) declaring ``count`` records."""
+    out = zmq_batch.BATCH_MAGIC + count.to_bytes(4, "little")
+    for r in records:
+        out += len(r).to_bytes(8, "little") + r + bytes(-len(r) % 8)
+    return out
+
+
+def test_runs_travel_batched_and_broken_batch_frames_are_counted_not_trusted(ipc_dir, closing):
+    planes = _planes(ipc_dir, 2, closing)
+    rng = np.random.default_rng(11)
+    junk = rng.integers(0, 256, 200, dtype=np.uint8).tobytes()  # no gradlane magic: rejected
+    broken = [
+        _batch(2, junk)[:-40],  # its record runs past the end
+        _batch(5, junk),  # declares five records, holds one
+    ]
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUSH)
+    raw.linger = 0
+    try:
+        raw.connect(f"ipc://{ipc_dir}/data-0")
+        for frame in [*broken, _batch(1, junk)]:  # the last is well-framed garbage
+            raw.send(frame)
+        xs = [rng.standard_normal(1_000_003).astype(np.float32) for _ in range(2)]
+        expect = xs[0].astype(np.float64) + xs[1]
+        # Each collective is a sync point; the forged frames arrive within a few of them.
+        for step in range(20):
+            for result, report in _allreduce(planes, step, 0, xs):
+                np.testing.assert_allclose(result, expect, rtol=1e-5, atol=1e-5)
+                assert report.delivered_fraction == 1.0
+            stats = planes[0].stats()
+            if stats["bad_frames"] == len(broken):
+                break
+    finally:
+        raw.close()
+    assert stats["bad_frames"] == len(broken)
+    assert stats["endpoint"]["rejected"].get("bad_magic", 0) >= 2  # the junk packets themselves
+    # A 4 MB shard's runs went as batch frames: many packets per ZeroMQ message.
+    b = planes[1].stats()
+    assert b["bad_frames"] == 0 and b["packets_in"] >= 2 * b["frames_in"]
