@@ -6,6 +6,7 @@ Usage::
     python -m bench.allreduce --quick --json /tmp/ar.json     # 2 ranks, 1 and 25 MB, 3 reps
     python -m bench.allreduce --daemon --json bench/results/allreduce_daemon.json
     python -m bench.allreduce --chunk-bytes 1408 --offload-compare --no-zmq --sizes 25
+    python -m bench.allreduce --zmq-batch-compare --sizes 25 --reps 9
 
 ``--chunk-bytes`` sets the UDP datagrams' payload (65000 by default, loopback's largest; 1408
 is what a 1500-byte MTU carries, 8192 a jumbo frame's), and ``--offload-compare`` adds the
@@ -14,6 +15,10 @@ reliable UDP engine with UDP GRO off (``udp_gso_only``) and with both GSO and GR
 per run of equal-sized datagrams sent) and GRO (one per run received) are what keep the
 kernel's per-datagram cost off the path; ``summary.gso_only_vs_offload`` and
 ``summary.no_offload_vs_offload`` give the ratios to the default engine (both on).
+
+``--zmq-batch-compare`` adds a second ZeroMQ plane that sends one packet per frame
+(``zmq_unbatched``, ``batch_bytes=0``) next to the default one, which packs each run into
+frames of up to 1 MiB; ``summary.zmq_unbatched_vs_zmq`` gives the ratio.
 
 ``--daemon`` compares hierarchical daemon mode with the embedded engine for the same 4-rank
 all-reduce: two "hosts" of two ranks, one ``gradlane daemon`` process per host (host h on
@@ -68,7 +73,8 @@ import numpy as np
 
 MB = 1 << 20
 TRANSPORTS = (
-    "gloo", "udp_reliable", "udp_gso_only", "udp_no_offload", "udp_bounded", "zmq", "daemon"
+    "gloo", "udp_reliable", "udp_gso_only", "udp_no_offload", "udp_bounded", "zmq",
+    "zmq_unbatched", "daemon",
 )  # fmt: skip
 #: ``--offload-compare``: the reliable engine again with UDP GRO off, and with GSO and GRO off.
 OFFLOAD_VARIANTS = {"udp_gso_only": (True, False), "udp_no_offload": (False, False)}
@@ -78,6 +84,7 @@ SUMMARY_KEYS = {
     "udp_no_offload": "udp_no_offload_vs_gloo",
     "udp_bounded": "udp_bounded_vs_gloo",
     "zmq": "zmq_vs_gloo",
+    "zmq_unbatched": "zmq_unbatched_vs_gloo",
     "daemon": "daemon_vs_gloo",
 }
 #: Daemon mode: hosts (daemons) and the job token they serve.
@@ -143,6 +150,11 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
             f"tcp://127.0.0.{1 + p}:{_free_port(f'127.0.0.{1 + p}')}" for p in range(N_PATHS)
         ]
         store.set(f"gl/zmq/{rank}", json.dumps(zmq_eps))
+        if args["zmq_batch_compare"]:
+            zmq_eps = [
+                f"tcp://127.0.0.{1 + p}:{_free_port(f'127.0.0.{1 + p}')}" for p in range(N_PATHS)
+            ]
+            store.set(f"gl/zmq1/{rank}", json.dumps(zmq_eps))
         for name, e in engines.items():
             table = {
                 r: [tuple(a) for a in json.loads(store.get(f"gl/{name}/{r}"))] for r in range(world)
@@ -168,6 +180,11 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
             plane = ZmqDataPlane(rank, world, zmq_config(n_paths=N_PATHS), eps)
             closers.append(plane)
             engines["zmq"] = plane.start()
+            if args["zmq_batch_compare"]:
+                eps = [json.loads(store.get(f"gl/zmq1/{r}")) for r in range(world)]
+                plane = ZmqDataPlane(rank, world, zmq_config(n_paths=N_PATHS), eps, batch_bytes=0)
+                closers.append(plane)
+                engines["zmq_unbatched"] = plane.start()
         out = _timed_loop(rank, world, engines, args, dist, torch)
         if rank == 0:
             results.put(("ok", out))
@@ -459,6 +476,12 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     row["ratio_to_offload"] = med / full
                     key = f"{t.removeprefix('udp_')}_vs_offload"
                     summary.setdefault(key, {})[f"{world}x{mb:g}"] = med / full
+                if t == "zmq_unbatched":  # one packet per frame, against batch frames
+                    batched = float(np.median(times["zmq"][mb_key]))
+                    row["ratio_to_batched"] = med / batched
+                    summary.setdefault("zmq_unbatched_vs_zmq", {})[f"{world}x{mb:g}"] = (
+                        med / batched
+                    )
                 rows.append(row)
     return {"rows": rows, "summary": summary}
 
@@ -518,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         "and GRO off (udp_no_offload), interleaved",
     )
     ap.add_argument(
+        "--zmq-batch-compare",
+        action="store_true",
+        help="also run a ZeroMQ plane sending one packet per frame (zmq_unbatched), interleaved",
+    )
+    ap.add_argument(
         "--daemon",
         action="store_true",
         help="daemon mode (2 hosts x ranks/2) against the embedded engine; default --ranks 4",
@@ -541,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--chunk-bytes: {e}")
     args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,
             "zmq": not ns.no_zmq, "daemon": ns.daemon, "chunk_bytes": ns.chunk_bytes,
-            "offload_compare": ns.offload_compare}  # fmt: skip
+            "offload_compare": ns.offload_compare,
+            "zmq_batch_compare": ns.zmq_batch_compare and not ns.no_zmq}  # fmt: skip
     per_world: dict[int, dict[str, Any]] = {}
     for world in ranks:
         t0 = time.monotonic()

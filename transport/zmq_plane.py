@@ -128,8 +128,10 @@ class ZmqDataPlane:
     (``config.n_paths`` of them). This rank binds ``endpoints[me]`` and connects to the others.
     :meth:`start` (or ``with``) starts the loop thread; :meth:`submit` is thread-safe;
     :meth:`close` fails in-flight Futures with :class:`TransferFailed` and closes every socket.
-    ``hwm`` is the per-socket high-water mark in frames (of up to 1 MiB each); the sender's
-    pacing burst bounds what is queued well below it.
+    ``hwm`` is the per-socket high-water mark in frames (of up to ``batch_bytes`` each); the
+    sender's pacing burst bounds what is queued well below it. ``batch_bytes`` caps a batch
+    frame (:mod:`transport.zmq_batch`); 0 sends one packet per frame, as before batching (for
+    comparisons: the receiver takes either kind).
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class ZmqDataPlane:
         *,
         rng: np.random.Generator | None = None,
         hwm: int = 1024,
+        batch_bytes: int = zmq_batch.BATCH_BYTES,
     ) -> None:
         self.me = me
         self.world = world
@@ -158,6 +161,11 @@ class ZmqDataPlane:
                 )
         self._core = TransposeAllReduce(me, world, cfg, rng)
         self._hwm = hwm
+        if batch_bytes < 0:
+            raise ConfigError(
+                f"batch_bytes must be >= 0 (0: one packet per frame), got {batch_bytes}"
+            )
+        self.batch_bytes = batch_bytes
         self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._pending = PendingCollectives()
         self._wake_lock = threading.Lock()
@@ -426,10 +434,14 @@ class _Loop:
 
     def _send_run(self, run: DatagramRun) -> None:
         """A run of DATA packets as batch frames, one series per path (ordered as in the run)."""
-        n = self.plane._n
+        n, limit = self.plane._n, self.plane.batch_bytes
+        if limit == 0:
+            for dg in run:
+                self._send(dg)
+            return
         for q in np.unique(run.paths).tolist():
             sel = np.flatnonzero(run.paths == q)
-            frames = zmq_batch.pack(run, sel)
+            frames = zmq_batch.pack(run, sel, limit)
             n["packets_out"] += int(sel.shape[0])
             s = self.pushes[(run.peer, q)]
             for data in frames:

@@ -22,7 +22,7 @@ import zmq
 from scheduling.loss import LossConfig
 from tests.loopback.checks import check_pinned_goes_in_class_0
 from transport import zmq_batch
-from transport.errors import PeerTimeout, TransferFailed
+from transport.errors import ConfigError, PeerTimeout, TransferFailed
 from transport.zmq_control import (
     Announcement,
     ControlServer,
@@ -348,3 +348,19 @@ def test_runs_travel_batched_and_broken_batch_frames_are_counted_not_trusted(ipc
     # A 4 MB shard's runs went as batch frames: many packets per ZeroMQ message.
     b = planes[1].stats()
     assert b["bad_frames"] == 0 and b["packets_in"] >= 2 * b["frames_in"]
+
+
+def test_batch_bytes_zero_sends_one_packet_per_frame_and_a_negative_one_is_refused(
+    ipc_dir, closing
+):
+    eps = [f"ipc://{ipc_dir}/u0", f"ipc://{ipc_dir}/u1"]
+    with pytest.raises(ConfigError, match="batch_bytes"):
+        ZmqDataPlane(0, 2, zmq_config(), eps, batch_bytes=-1)
+    planes = [closing(ZmqDataPlane(r, 2, zmq_config(), eps, batch_bytes=0).start()) for r in (0, 1)]
+    rng = np.random.default_rng(12)
+    xs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(2)]
+    for result, _ in _allreduce(planes, 0, 0, xs):
+        np.testing.assert_allclose(result, xs[0] + xs[1], rtol=1e-5, atol=1e-5)
+    for p in planes:
+        s = p.stats()
+        assert s["packets_out"] == s["frames_out"] and s["packets_in"] == s["frames_in"] > 0

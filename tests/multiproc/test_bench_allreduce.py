@@ -56,3 +56,21 @@ def test_allreduce_benchmark_compares_offloads_with_mtu_sized_datagrams(tmp_path
     for t in ("gso_only", "no_offload"):
         ratio = doc["summary"][f"{t}_vs_offload"]
         assert set(ratio) == {"2x1"} and ratio["2x1"] == rows[f"udp_{t}"]["ratio_to_offload"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_allreduce_benchmark_compares_zmq_batch_frames_with_one_packet_per_frame(tmp_path):
+    """``--zmq-batch-compare``: a second ZeroMQ plane sending one packet per frame, checked
+    against gloo's sum like the others, and its ratio to the batching plane in the summary."""
+    path = tmp_path / "ar.json"
+    args = ["--ranks", "2", "--sizes", "1", "--reps", "2", "--zmq-batch-compare",
+            "--json", str(path)]  # fmt: skip
+    assert allreduce.main(args) == 0
+    doc = json.loads(path.read_text())
+    rows = {r["transport"]: r for r in doc["rows"]}
+    assert {"zmq", "zmq_unbatched"} <= set(rows)
+    for t in ("zmq", "zmq_unbatched"):
+        assert rows[t]["check"]["ok_all_ranks"]
+        assert rows[t]["check"]["delivered_fraction_min_rank"] == 1.0
+    ratio = doc["summary"]["zmq_unbatched_vs_zmq"]
+    assert set(ratio) == {"2x1"} and ratio["2x1"] == rows["zmq_unbatched"]["ratio_to_batched"] > 0
