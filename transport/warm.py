@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from scheduling.pacing import PacingConfig
-from transport import _mmsg, kernels
+from transport import _mmsg, kernels, zmq_batch
 from transport.allreduce import TransposeAllReduce
 from transport.config import TransportConfig
 from transport.events import AllReduceComplete, AllReduceFailed, flat
@@ -54,23 +54,23 @@ _POLL_S = 0.05
 _warm: set[str] = set()  # what this process has compiled already
 
 
-def warm_up(*, keyed: bool = False, udp: bool = False) -> None:
+def warm_up(*, keyed: bool = False, udp: bool = False, zmq: bool = False) -> None:
     """Compile (or load from numba's cache) every kernel a collective uses, off the clock.
 
     Once per process. ``keyed`` (a job with a secret) adds the SipHash header writer, which only
     such jobs use; ``udp`` the UDP adapter's ``sendmmsg`` table filler (where the batched calls
-    exist). On a host where another process is compiling them, waits for it first (see the
-    module docstring).
+    exist); ``zmq`` the ZeroMQ plane's batch-frame split. On a host where another process is
+    compiling them, waits for it first (see the module docstring).
     """
     todo = [name for name, wanted in (("all-reduce", True), ("siphash", keyed),
-                                      ("udp", udp and _mmsg.AVAILABLE))
+                                      ("udp", udp and _mmsg.AVAILABLE), ("zmq", zmq))
             if wanted and name not in _warm]  # fmt: skip
     if not todo:
         return
     with _compile_turn():
         for name in todo:
             {"all-reduce": _warm_all_reduce, "siphash": _warm_siphash_headers,
-             "udp": _mmsg.warm_up}[name]()  # fmt: skip
+             "udp": _mmsg.warm_up, "zmq": zmq_batch.warm_up}[name]()  # fmt: skip
             _warm.add(name)
 
 

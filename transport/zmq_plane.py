@@ -189,7 +189,7 @@ class ZmqDataPlane:
         if self._thread is not None:
             return self
         # Compile the kernels now, not inside the first collective's deadlines.
-        warm_up(keyed=bool(self.config.secret))
+        warm_up(keyed=bool(self.config.secret), zmq=True)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
         self._ctx = ctx
         made: list[zmq.Socket[bytes]] = []
