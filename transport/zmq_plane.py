@@ -9,8 +9,9 @@ Theory of operation
   one PUSH socket per (peer, path) to the peers' endpoints. A frame carries gradlane packets,
   header and tag included, so the same validation runs as over UDP: a run of DATA packets for
   one (peer, path) travels as batch frames of up to 1 MiB (:mod:`transport.zmq_batch`; one
-  message per 64 KB packet cost 15-17% more time and CPU, interleaved at 2 and 4 ranks × 25 MB),
-  split back into the endpoint's arena rows by one compiled pass; a control packet is one frame;
+  message per 64 KB packet took 1.22× / 1.32× the time at 2 / 4 ranks × 25 MB, interleaved:
+  ``bench.allreduce --zmq-batch-compare``), split back into the endpoint's arena rows by one
+  compiled pass; a control packet is one frame;
 * one thread runs a :class:`zmq.Poller` loop: it drains the PULL sockets into the endpoint's
   batching arena (``recv(copy=False)``: each packet's bytes are copied into an arena row
   once), runs ``handle_timer`` when ``get_timer()`` is due, sends ``datagrams_to_send(now)``
@@ -424,7 +425,7 @@ class _Loop:
             if k:
                 ep.commit_datagrams(self.lengths[:k], path, now)  # processes a full arena
                 got += k
-            if state != zmq_batch.SPLIT_ARENA_FULL:
+            if state != zmq_batch.SPLIT_ARENA_FULL or k == 0:  # k == 0: no room was made
                 break
         n["packets_in"] += got
         if state == zmq_batch.SPLIT_MALFORMED or got != zmq_batch.record_count(frame):
