@@ -36,6 +36,8 @@ __all__ = [
     "BATCH_BYTES",
     "BATCH_MAGIC",
     "FRAME_HEADER",
+    "fill",
+    "frame_bounds",
     "is_batch",
     "pack",
     "record_count",
@@ -67,59 +69,61 @@ def is_batch(buf: memoryview | bytes) -> bool:
     return len(buf) >= FRAME_HEADER and buf[:4] == BATCH_MAGIC
 
 
-def _padded(n: np.ndarray) -> np.ndarray:
-    return RECORD_HEADER + ((n + 7) & ~7)
-
-
-def pack(run: DatagramRun, sel: np.ndarray, limit: int | None = None) -> list[np.ndarray]:
-    """The datagrams at positions ``sel`` of ``run``, in that order, as batch frames of at most
-    ``limit`` bytes each (default :data:`BATCH_BYTES`; a datagram that alone exceeds it gets a
-    frame of its own).
-
-    Each frame is a new, owned buffer: ZeroMQ may send it without another copy while the
-    caller's buffer changes. The copies are NumPy slice assignments (``memcpy``): a compiled
-    byte loop with run-time bounds copied at a sixth of the speed, and the payload of a shard
-    need not be word-aligned for a word loop.
-    """
-    limit = BATCH_BYTES if limit is None else limit
-    sel = np.asarray(sel, dtype=np.int64)
-    if sel.size == 0:
-        return []
-    hb = run.header_bytes
-    sizes = run.sizes[sel].astype(np.int64)
-    rec = _padded(hb + sizes)
-    hdr = np.frombuffer(run.hdr, dtype=np.uint8)
-    pay = np.frombuffer(run.payload, dtype=np.uint8)
-    # Frame boundaries: a new frame whenever the next record would pass the limit.
-    frames: list[np.ndarray] = []
-    start = 0
-    total = FRAME_HEADER
+def frame_bounds(run: DatagramRun, sel: np.ndarray, limit: int) -> list[tuple[int, int, int]]:
+    """How :func:`pack` cuts the datagrams at positions ``sel`` of ``run`` into frames of at
+    most ``limit`` bytes (a datagram that alone exceeds it gets a frame of its own): per frame,
+    ``(first, end, nbytes)`` over positions in ``sel``."""
+    rec = RECORD_HEADER + ((run.header_bytes + run.sizes[sel] + 7) & ~7)
     bounds: list[tuple[int, int, int]] = []
+    start, total = 0, FRAME_HEADER
     for i, r in enumerate(rec.tolist()):
         if i > start and total + r > limit:
             bounds.append((start, i, total))
             start, total = i, FRAME_HEADER
         total += r
-    bounds.append((start, len(rec), total))
-    chunks = run.chunks[sel].tolist()
-    starts = run.starts[sel].tolist()
-    lens = sizes.tolist()
-    for a, b, total in bounds:
+    if len(rec):
+        bounds.append((start, len(rec), total))
+    return bounds
+
+
+def fill(run: DatagramRun, sel: np.ndarray, first: int, end: int, out: np.ndarray) -> None:
+    """Write the batch frame of the datagrams at positions ``sel[first:end]`` of ``run`` into
+    ``out`` (uint8, exactly the frame's size as :func:`frame_bounds` gives it).
+
+    The copies are NumPy slice assignments (``memcpy``): a compiled byte loop with run-time
+    bounds copied at a sixth of the speed, and a shard's payload need not be word-aligned for
+    a word loop.
+    """
+    hb = run.header_bytes
+    hdr = np.frombuffer(run.hdr, dtype=np.uint8)
+    pay = np.frombuffer(run.payload, dtype=np.uint8)
+    head = out[:FRAME_HEADER].view(np.uint32)
+    head[0] = _MAGIC_U32
+    head[1] = end - first
+    pos = FRAME_HEADER
+    idx = sel[first:end]
+    for c, a, n in zip(
+        run.chunks[idx].tolist(), run.starts[idx].tolist(), run.sizes[idx].tolist(), strict=True
+    ):
+        out[pos : pos + RECORD_HEADER].view(np.uint64)[0] = hb + n
+        p = pos + RECORD_HEADER
+        out[p : p + hb] = hdr[c * hb : (c + 1) * hb]
+        out[p + hb : p + hb + n] = pay[a : a + n]
+        pos = p + ((hb + n + 7) & ~7)
+        out[p + hb + n : pos] = 0  # the padding: no stale memory on the wire
+    if pos != out.shape[0]:
+        raise ValueError(f"a frame of {pos} bytes written into {out.shape[0]}")
+
+
+def pack(run: DatagramRun, sel: np.ndarray, limit: int | None = None) -> list[np.ndarray]:
+    """The datagrams at positions ``sel`` of ``run``, in that order, as batch frames of at most
+    ``limit`` bytes each (default :data:`BATCH_BYTES`), each a new buffer of its own
+    (:func:`frame_bounds` and :func:`fill`; the ZeroMQ plane fills reused buffers instead)."""
+    sel = np.asarray(sel, dtype=np.int64)
+    frames = []
+    for a, b, total in frame_bounds(run, sel, BATCH_BYTES if limit is None else limit):
         out = np.empty(total, dtype=np.uint8)
-        head = out[:FRAME_HEADER].view(np.uint32)
-        head[0] = _MAGIC_U32
-        head[1] = b - a
-        pos = FRAME_HEADER
-        for j in range(a, b):
-            n = lens[j]
-            out[pos : pos + RECORD_HEADER].view(np.uint64)[0] = hb + n
-            p = pos + RECORD_HEADER
-            c = chunks[j] * hb
-            out[p : p + hb] = hdr[c : c + hb]
-            s = starts[j]
-            out[p + hb : p + hb + n] = pay[s : s + n]
-            pos += int(rec[j])
-            out[p + hb + n : pos] = 0  # the padding: no stale memory on the wire
+        fill(run, sel, a, b, out)
         frames.append(out)
     return frames
 

@@ -364,3 +364,28 @@ def test_batch_bytes_zero_sends_one_packet_per_frame_and_a_negative_one_is_refus
     for p in planes:
         s = p.stats()
         assert s["packets_out"] == s["frames_out"] and s["packets_in"] == s["frames_in"] > 0
+
+
+def test_batch_frame_buffers_are_reused_not_made_per_frame(ipc_dir, closing):
+    """Send buffers go back to a pool once ZeroMQ has sent them: over many collectives the
+    plane stops making new ones, and no reused buffer was overwritten while still in flight
+    (a packet changed underneath would fail its tag: nothing is rejected)."""
+    planes = _planes(ipc_dir, 2, closing)
+    rng = np.random.default_rng(13)
+    xs = [rng.standard_normal(2_000_003).astype(np.float32) for _ in range(2)]
+    expect = xs[0].astype(np.float64) + xs[1]
+
+    def rounds(steps: range) -> None:
+        for step in steps:
+            for result, _ in _allreduce(planes, step, 0, xs):
+                np.testing.assert_allclose(result, expect, rtol=1e-5, atol=1e-5)
+
+    rounds(range(0, 5))
+    made = [p.stats()["send_buffers"] for p in planes]
+    frames = [p.stats()["frames_out"] for p in planes]
+    rounds(range(5, 25))
+    for p, m, f in zip(planes, made, frames, strict=True):
+        s = p.stats()
+        assert 0 < m <= 40 and s["frames_out"] - f >= 20 * 8  # 8 MB each way: ≥ 8 frames a round
+        assert s["send_buffers"] <= m + 8  # a few more in flight at most, not one per frame
+        assert not set(s["endpoint"]["rejected"]) - {"duplicate"}
