@@ -159,10 +159,12 @@ class Daemon:
     def start(self) -> Daemon:
         """Take the socket path, start the engine and the metrics endpoint, start serving."""
         try:
+            # The socket and its lock first: trainers that connect while the kernels compile
+            # (a minute on a fresh install) see a live daemon and keep waiting for it.
+            self._bind_ipc()
             warm = np.ones(8, dtype=np.float32)  # compile the local sum now, not in a deadline
             local_sum(warm, [warm, warm], DType.F32)
             local_sum(warm, [warm.view(np.uint16)[:8]] * 2, DType.BF16)
-            self._bind_ipc()
             self._start_engine()
             if self.config.metrics:
                 from transport.daemon_config import parse_address  # noqa: PLC0415
@@ -217,8 +219,7 @@ class Daemon:
 
     def _bind_ipc(self) -> None:
         path = self.config.socket_path
-        lock_path = path + ".lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(ipc.lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -288,7 +289,7 @@ class Daemon:
             log.info("daemon: removed %d shared-memory segment(s)", len(removed))
         if self._lock_fd is not None:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.socket_path + ".lock")
+                os.unlink(ipc.lock_path(self.config.socket_path))
             os.close(self._lock_fd)
             self._lock_fd = None
         self._waker.close()

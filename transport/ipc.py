@@ -22,6 +22,7 @@ Conversation (trainer DEALER → daemon ROUTER)::
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -34,8 +35,10 @@ __all__ = [
     "REASONS",
     "SCHEMAS",
     "IpcError",
+    "daemon_pid",
     "decode",
     "encode",
+    "lock_path",
     "report_from_wire",
     "report_to_wire",
 ]
@@ -117,6 +120,32 @@ class IpcError(GradlaneError):
         super().__init__(f"{why}: {detail}")
         self.why = why
         self.detail = detail
+
+
+def lock_path(socket_path: str) -> str:
+    """The lock file a daemon holds while it starts and serves on ``socket_path`` (its pid in
+    it): one daemon per socket, and a sign of life for trainers that wait for it."""
+    return socket_path + ".lock"
+
+
+def daemon_pid(socket_path: str) -> int | None:
+    """The pid of the live process that holds ``socket_path``'s daemon lock file, else None
+    (no file, no pid written yet, or that process is gone). Reads only: taking the lock to
+    test it could make a daemon that starts at that moment think another one serves."""
+    try:
+        with open(lock_path(socket_path), "rb") as f:
+            pid = int(f.read(32).decode(errors="replace").strip() or 0)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        return pid
+    return pid
 
 
 def encode(kind: str, **fields: Any) -> list[bytes]:

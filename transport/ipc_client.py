@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 Result = tuple[np.ndarray, CollectiveReport]
 #: Longest poll wait of the I/O thread (a close request is noticed within this).
 POLL_MS = 200
+#: How much longer than ``connect_timeout_s`` a trainer waits for a daemon that is alive (it
+#: holds its socket's lock) but has not answered yet: its first start on a host compiles the
+#: kernels first (~65 s of one core on the 2-core development machine).
+STARTING_WAIT_S = 600.0
 
 
 class DaemonUnavailable(GradlaneError):
@@ -98,16 +102,21 @@ class DaemonClient:
         local_world: int,
         connect_timeout_s: float = 60.0,
         request_timeout_s: float = 60.0,
+        start_wait_s: float = STARTING_WAIT_S,
     ) -> None:
         if not 0 <= local_rank < local_world:
             raise ConfigError(f"local rank {local_rank} is not in a host of {local_world}")
-        if connect_timeout_s <= 0 or request_timeout_s <= 0:
-            raise ConfigError("connect_timeout_s and request_timeout_s must be > 0")
+        if connect_timeout_s <= 0 or request_timeout_s <= 0 or start_wait_s < 0:
+            raise ConfigError(
+                "connect_timeout_s and request_timeout_s must be > 0, start_wait_s >= 0"
+            )
+        self.socket_path = socket_path
         self.endpoint = f"ipc://{socket_path}"
         self.job, self.rank, self.world = job, rank, world
         self.local_rank, self.local_world = local_rank, local_world
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
+        self.start_wait_s = start_wait_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._waker = Waker()
@@ -129,17 +138,42 @@ class DaemonClient:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> DaemonClient:
-        """Connect and wait (at most ``connect_timeout_s``) for the daemon's WELCOME."""
+        """Connect and wait (at most ``connect_timeout_s``) for the daemon's WELCOME; a daemon
+        that is alive but still starting is waited for up to ``start_wait_s`` more."""
         self._thread = threading.Thread(
             target=self._run, name=f"gradlane-ipc-r{self.rank}", daemon=True
         )
         self._thread.start()
-        if not self._welcomed.wait(self.connect_timeout_s) or self._refused:
-            why = self._refused or (
-                f"no gradlane daemon at {self.endpoint} answered within "
-                f"{self.connect_timeout_s:.0f}s (start `gradlane daemon --socket "
-                f"{self.endpoint[6:]} ...` on this host first, or wait for it)"
-            )
+        welcomed = self._welcomed.wait(self.connect_timeout_s)
+        starting = None if welcomed else ipc.daemon_pid(self.socket_path)
+        if starting is not None:
+            # It holds its socket's lock but has not answered: on a host's first start it
+            # compiles its kernels (about a minute on a 2-core machine) before it serves.
+            log.info(
+                "rank %d: the gradlane daemon (pid %d) at %s is still starting; waiting up "
+                "to %.0f s more",
+                self.rank, starting, self.endpoint, self.start_wait_s,
+            )  # fmt: skip
+            limit = time.monotonic() + self.start_wait_s
+            while not welcomed and time.monotonic() < limit:
+                welcomed = self._welcomed.wait(min(1.0, max(limit - time.monotonic(), 0.0)))
+                if not welcomed and ipc.daemon_pid(self.socket_path) is None:
+                    break  # it died while starting
+        if not welcomed or self._refused:
+            if self._refused:
+                why = self._refused
+            elif starting is not None:
+                why = (
+                    f"the gradlane daemon (pid {starting}) at {self.endpoint} did not answer "
+                    f"within {self.connect_timeout_s + self.start_wait_s:.0f}s of its start "
+                    "(see its log)"
+                )
+            else:
+                why = (
+                    f"no gradlane daemon at {self.endpoint} answered within "
+                    f"{self.connect_timeout_s:.0f}s (start `gradlane daemon --socket "
+                    f"{self.endpoint[6:]} ...` on this host first, or wait for it)"
+                )
             self.close()
             raise DaemonUnavailable(why)
         log.info(

@@ -132,11 +132,34 @@ def test_no_daemon_is_a_clear_error(host: Host):
 
 
 def test_trainers_may_start_before_the_daemon(host: Host):
+    """Trainers whose connect timeout is shorter than the daemon's start (its first start on
+    a fresh install compiles the kernels for about a minute) keep waiting while it lives."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        starting = [pool.submit(host.client, r, connect_timeout_s=WAIT_S) for r in (0, 1)]
+        starting = [
+            pool.submit(host.client, r, connect_timeout_s=1.0, start_wait_s=600.0) for r in (0, 1)
+        ]
         host.daemon()
-        clients = [f.result(WAIT_S) for f in starting]
+        clients = [f.result(700.0) for f in starting]
     _pair_step(clients, 0)
+
+
+def test_a_live_daemon_that_never_answers_is_named_after_the_start_wait(host: Host):
+    # A process (this one) holds the socket's lock file, as a starting daemon does, but
+    # nothing serves the socket.
+    with open(ipc.lock_path(host.socket), "w") as f:
+        f.write(f"{os.getpid()}\n")
+    with pytest.raises(DaemonUnavailable, match=rf"daemon \(pid {os.getpid()}\) .* did not answer"):
+        host.client(0, connect_timeout_s=0.2, start_wait_s=0.5)
+
+
+def test_a_stale_lock_of_a_dead_daemon_is_not_waited_for(host: Host):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    with open(ipc.lock_path(host.socket), "w") as f:
+        f.write(f"{gone.pid}\n")
+    # A live pid would make the client wait the full start_wait_s (and the test time out).
+    with pytest.raises(DaemonUnavailable, match="no gradlane daemon at ipc://"):
+        host.client(0, connect_timeout_s=0.2, start_wait_s=600.0)
 
 
 def test_second_daemon_on_the_same_socket_is_refused(host: Host):
