@@ -10,12 +10,13 @@ in memory that takes every path a real collective takes, and the UDP adapter's t
 ``tests/loopback/test_warm_up.py`` checks, in a fresh interpreter, that no real collective
 compiles anything after it.
 
-On a fresh install the compile takes ~30 s of one core (this machine). Ranks of one host
+On a fresh install the compile takes ~65 s of one core (this machine). Ranks of one host
 start together (``torchrun``, the demo, the tests), and each would compile the same kernels
-side by side: four ranks on two cores took ~60 s. So the first process to arrive takes a
-host-wide lock (``flock`` on a file in the temporary directory, named after this copy of the
-package) and compiles; the others wait for it, bounded, then load what it cached (~0.4 s),
-side by side. With a warm cache the first one only loads, and the wait is that long.
+side by side: four ranks on two cores took twice as long as one (measured when one took
+~30 s). So the first process to arrive takes a host-wide lock (``flock`` on a file in the
+temporary directory, named after this copy of the package) and compiles; the others wait
+for it, bounded, then load what it cached (~0.4 s), side by side. With a warm cache the first
+one only loads, and the wait is that long.
 """
 
 from __future__ import annotations
