@@ -129,8 +129,9 @@ class ZmqDataPlane:
     (``config.n_paths`` of them). This rank binds ``endpoints[me]`` and connects to the others.
     :meth:`start` (or ``with``) starts the loop thread; :meth:`submit` is thread-safe;
     :meth:`close` fails in-flight Futures with :class:`TransferFailed` and closes every socket.
-    ``hwm`` is the per-socket high-water mark in frames (of up to ``batch_bytes`` each); the
-    sender's pacing burst bounds what is queued well below it. ``batch_bytes`` caps a batch
+    ``hwm`` is the per-socket high-water mark in frames (of up to ``batch_bytes`` each, so
+    ZeroMQ queues at most ``hwm × batch_bytes`` per socket; beyond it frames wait in the
+    loop's backlog until the socket drains). ``batch_bytes`` caps a batch
     frame (:mod:`transport.zmq_batch`); 0 sends one packet per frame, as before batching (for
     comparisons: the receiver takes either kind).
     """
