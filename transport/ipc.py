@@ -140,11 +140,11 @@ def daemon_pid(socket_path: str) -> int | None:
     if pid <= 0:
         return None
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: alive, another user's
     except ProcessLookupError:
         return None
-    except PermissionError:  # alive, another user's
-        return pid
+    except PermissionError:
+        pass
     return pid
 
 

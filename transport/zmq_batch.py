@@ -6,11 +6,12 @@ Over TCP, a ZeroMQ message costs the plane's loop a Python call, a ``zmq.Frame``
 ZeroMQ's I/O thread whatever its size. With one message per 64 KB packet a fifth of the
 plane's CPU samples were in the interpreter, and a 2 ranks × 25 MB all-reduce on loopback took
 1.22× the time it takes with batch frames (1.32× at 4 ranks; ``python -m bench.allreduce
---zmq-batch-compare``). So the sender packs each run of DATA packets for
-one (peer, path) into frames of up to :data:`BATCH_BYTES` (:func:`pack`), and the receiver
-splits a frame back into packets, one per row of the endpoint's receive arena, in one compiled
-pass (:func:`split`). Each packet is then validated exactly as if it had come alone; the frame
-adds framing, not trust. Control packets (ACK, NACK, …) still travel one per message.
+--zmq-batch-compare``). So the sender packs each run of DATA packets for one (peer, path)
+into frames of up to :data:`BATCH_BYTES` (:func:`frame_bounds`, :func:`fill`), and the
+receiver splits a frame back into packets, one per row of the endpoint's receive arena, in
+one compiled pass (:func:`split`). Each packet is then validated exactly as if it had come
+alone; the frame adds framing, not trust. Control packets (ACK, NACK, …) still travel one
+per message.
 
 Layout, little-endian: :data:`BATCH_MAGIC`, a u32 record count, then per record a u64 packet
 length, the packet, and zero padding to a multiple of 8 bytes (so every record starts on a
@@ -39,7 +40,6 @@ __all__ = [
     "fill",
     "frame_bounds",
     "is_batch",
-    "pack",
     "record_count",
     "split",
     "warm_up",
@@ -51,7 +51,7 @@ BATCH_MAGIC = b"GLB\x01"
 FRAME_HEADER = 8
 #: Bytes before each packet: its length.
 RECORD_HEADER = 8
-#: Largest frame :func:`pack` builds (a record larger than this goes in a frame of its own).
+#: Largest frame :func:`frame_bounds` plans (a record larger than this goes in a frame of its own).
 #: 1 MiB amortises the per-message cost ~16-fold at 64 KB packets and keeps a frame within
 #: the caches the split copies through.
 BATCH_BYTES = 1 << 20
@@ -70,7 +70,7 @@ def is_batch(buf: memoryview | bytes) -> bool:
 
 
 def frame_bounds(run: DatagramRun, sel: np.ndarray, limit: int) -> list[tuple[int, int, int]]:
-    """How :func:`pack` cuts the datagrams at positions ``sel`` of ``run`` into frames of at
+    """How the sender cuts the datagrams at positions ``sel`` of ``run`` into frames of at
     most ``limit`` bytes (a datagram that alone exceeds it gets a frame of its own): per frame,
     ``(first, end, nbytes)`` over positions in ``sel``."""
     rec = RECORD_HEADER + ((run.header_bytes + run.sizes[sel] + 7) & ~7)
@@ -113,19 +113,6 @@ def fill(run: DatagramRun, sel: np.ndarray, first: int, end: int, out: np.ndarra
         out[p + hb + n : pos] = 0  # the padding: no stale memory on the wire
     if pos != out.shape[0]:
         raise ValueError(f"a frame of {pos} bytes written into {out.shape[0]}")
-
-
-def pack(run: DatagramRun, sel: np.ndarray, limit: int | None = None) -> list[np.ndarray]:
-    """The datagrams at positions ``sel`` of ``run``, in that order, as batch frames of at most
-    ``limit`` bytes each (default :data:`BATCH_BYTES`), each a new buffer of its own
-    (:func:`frame_bounds` and :func:`fill`; the ZeroMQ plane fills reused buffers instead)."""
-    sel = np.asarray(sel, dtype=np.int64)
-    frames = []
-    for a, b, total in frame_bounds(run, sel, BATCH_BYTES if limit is None else limit):
-        out = np.empty(total, dtype=np.uint8)
-        fill(run, sel, a, b, out)
-        frames.append(out)
-    return frames
 
 
 @njit(nogil=True, cache=True)
