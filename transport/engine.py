@@ -33,7 +33,7 @@ from transport.config import TransportConfig
 from transport.errors import ConfigError, TransferFailed
 from transport.pending import CollectiveResult, PendingCollectives
 from transport.rendezvous import Address, Rendezvous
-from transport.udp import UdpPaths, new_event_loop
+from transport.udp import RxArena, UdpPaths, new_event_loop
 from transport.warm import warm_up
 
 __all__ = ["Engine", "default_local_addrs"]
@@ -51,6 +51,47 @@ Result = CollectiveResult
 def default_local_addrs(n_paths: int) -> list[Address]:
     """Loopback path addresses 127.0.0.1, 127.0.0.2, ... (port 0: any free port)."""
     return [(f"127.0.0.{1 + p}", 0) for p in range(n_paths)]
+
+
+class _LossyArena:
+    """The endpoint's receive arena behind ``TransportConfig.inject_loss`` (tests and demos): the
+    driver fills rows as always (``recvmmsg``, or a GRO split), then each datagram of the batch
+    is dropped with probability ``rate`` (``rng``: seeded per rank) before the endpoint sees it.
+    The kept rows move down over the dropped ones, in order, and only they are committed: the
+    endpoint and everything after it run exactly as on a lossy network."""
+
+    def __init__(self, endpoint: RxArena, rate: float, rng: np.random.Generator) -> None:
+        self._ep = endpoint
+        self._rate = rate
+        self._rng = rng
+        self.dropped = 0
+
+    @property
+    def rx_arena(self) -> np.ndarray:
+        """The endpoint's arena (see :class:`transport.udp.RxArena`)."""
+        return self._ep.rx_arena
+
+    @property
+    def rx_free(self) -> int:
+        """The endpoint's first free row."""
+        return self._ep.rx_free
+
+    def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
+        """Drop a random part of the ``len(lengths)`` rows just filled; commit the rest."""
+        k = int(lengths.shape[0])
+        keep = (self._rng.random(k) >= self._rate).nonzero()[0]
+        if keep.shape[0] < k:
+            self.dropped += k - int(keep.shape[0])
+            # Rows before the first drop stay; each later kept row moves down (fancy indexing
+            # reads them all before writing), only as wide as the longest of them.
+            first, rows = self._ep.rx_free, self._ep.rx_arena
+            d = int(np.argmax(keep != np.arange(keep.shape[0]))) if keep.shape[0] else 0
+            if keep.shape[0] and keep[d] != d:
+                src = first + keep[d:]
+                width = min(rows.shape[1], -(-int(lengths[keep[d:]].max()) // 8) * 8)
+                rows[first + d : first + keep.shape[0], :width] = rows[src, :width]
+            lengths = lengths[keep]
+        self._ep.commit_datagrams(lengths, path, now)
 
 
 class Engine:
@@ -91,17 +132,21 @@ class Engine:
             )
         self._rendezvous = rendezvous
         self._core = TransposeAllReduce(me, world, cfg)
-        # Datagrams go straight into the endpoint's arena: no forwarding call per datagram
-        # (the hot path), unless test/demo loss is injected between socket and endpoint.
+        # Datagrams go straight into the endpoint's arena, many per system call (recvmmsg, or
+        # GRO): no forwarding call per datagram. Test/demo loss sits between the sockets and
+        # the endpoint on that same path, so what a lossy run measures is the real hot path.
         endpoint = self._core.endpoint
+        self._lossy = (
+            _LossyArena(endpoint, cfg.inject_loss, np.random.default_rng([cfg.seed, me, 0x10557]))
+            if cfg.inject_loss > 0
+            else None
+        )
         self._udp = UdpPaths(
             endpoint.rx_buffer,
-            self._on_datagram if cfg.inject_loss > 0 else endpoint.commit_datagram,
+            endpoint.commit_datagram,
             self._on_readable,
             bufsize=cfg.socket_buffer_bytes if bufsize is None else bufsize,
-            # Many datagrams per system call into the arena (recvmmsg), except when test loss
-            # is injected per datagram.
-            arena=None if cfg.inject_loss > 0 else endpoint,
+            arena=self._lossy or endpoint,
             gso=cfg.udp_gso,
             gro=cfg.udp_gro,
         )
@@ -120,11 +165,6 @@ class Engine:
         self._stopping = False
         self._lock = threading.Lock()  # guards _closed against submit() racing close()
         self.bound: list[Address] = []
-        # Opt-in loss for tests and demos (TransportConfig.inject_loss): seeded per rank.
-        self._drop_rng = (
-            np.random.default_rng([cfg.seed, me, 0x10557]) if cfg.inject_loss > 0 else None
-        )
-        self._injected_drops = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> list[Address]:
@@ -258,7 +298,7 @@ class Engine:
             out = dict(self._core.endpoint.stats())
             out["udp"] = asdict(self._udp.counters)
             out["in_flight"] = self._core.in_flight
-            out["injected_drops"] = self._injected_drops
+            out["injected_drops"] = self._lossy.dropped if self._lossy is not None else 0
             # The loop thread's CPU so far (this runs on it), and how much of it timer wakeups
             # took, with their count.
             on_loop = threading.current_thread() is self._thread
@@ -345,14 +385,6 @@ class Engine:
             scale,
         ):  # fmt: skip
             self._service(send_first=True)
-
-    def _on_datagram(self, nbytes: int, path: int, now: float) -> None:
-        # Only with injected loss: the datagram is already in the core's arena; a dropped one
-        # is simply not committed.
-        if self._drop_rng is not None and self._drop_rng.random() < self.config.inject_loss:
-            self._injected_drops += 1
-            return
-        self._core.commit_datagram(nbytes, path, now)
 
     def _on_readable(self) -> None:
         # One service per wakeup: the datagrams read in this loop iteration are batched by the

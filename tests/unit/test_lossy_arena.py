@@ -1,0 +1,87 @@
+"""The injected-loss arena (``TransportConfig.inject_loss``): a seeded random part of each
+received batch is dropped before the endpoint sees it; the kept datagrams reach it intact, in
+order, in consecutive rows, with their lengths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from transport.engine import _LossyArena
+
+
+class _Arena:
+    """The endpoint's side of :class:`transport.udp.RxArena`: rows, the first free one, and
+    what was committed."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.rx_arena = np.zeros((rows, width), dtype=np.uint8)
+        self.rx_free = 0
+        self.committed: list[tuple[np.ndarray, int]] = []
+
+    def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
+        self.committed.append((lengths.copy(), path))
+        self.rx_free += int(lengths.shape[0])
+
+
+def _fill(arena: _Arena, first: int, lengths: np.ndarray, tag: int) -> None:
+    """What a receive writes: datagram i of the batch is ``lengths[i]`` bytes of its id."""
+    for i, n in enumerate(lengths.tolist()):
+        arena.rx_arena[first + i, : min(n, arena.rx_arena.shape[1])] = (tag + i) % 251
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.3, 0.9])
+def test_kept_datagrams_reach_the_endpoint_intact_and_in_order(rate: float) -> None:
+    arena = _Arena(4096, 64)
+    lossy = _LossyArena(arena, rate, np.random.default_rng(7))
+    rng = np.random.default_rng(1)
+    sent = 0
+    for batch in range(40):
+        k = int(rng.integers(1, 64))
+        lengths = rng.integers(48, 80, size=k)  # some longer than a row: truncated datagrams
+        first = arena.rx_free
+        _fill(arena, first, lengths, sent)
+        before = lossy.dropped
+        lossy.commit_datagrams(lengths, path=batch % 2, now=0.0)
+        got, path = arena.committed[-1]
+        assert path == batch % 2
+        assert lossy.dropped - before == k - got.shape[0]
+        ids = [(int(arena.rx_arena[first + j, 0]), int(n)) for j, n in enumerate(got.tolist())]
+        sent_ids = [((sent + i) % 251, int(n)) for i, n in enumerate(lengths.tolist())]
+        # The kept ones are a subsequence of what arrived, in arrival order, with their lengths.
+        it = iter(sent_ids)
+        assert all(x in it for x in ids), (ids, sent_ids)
+        for j, n in enumerate(got.tolist()):  # each row whole, not only its first byte
+            row = arena.rx_arena[first + j, : min(n, 64)]
+            assert (row == row[0]).all()
+        sent += k
+    total = sum(c[0].shape[0] for c in arena.committed)
+    assert total + lossy.dropped == sent
+    assert abs(lossy.dropped / sent - rate) < 0.1
+
+
+def test_no_drop_leaves_the_batch_alone_and_a_full_drop_commits_nothing() -> None:
+    arena = _Arena(16, 64)
+    never = _LossyArena(arena, 1e-12, np.random.default_rng(0))
+    lengths = np.array([60, 50, 40])
+    _fill(arena, 0, lengths, 10)
+    before = arena.rx_arena.copy()
+    never.commit_datagrams(lengths, 0, 0.0)
+    assert (arena.rx_arena == before).all() and arena.committed[-1][0].tolist() == [60, 50, 40]
+    always = _LossyArena(arena, 1.0, np.random.default_rng(0))
+    always.commit_datagrams(np.array([60, 60]), 1, 0.0)
+    assert always.dropped == 2 and arena.committed[-1][0].shape[0] == 0 and arena.rx_free == 3
+
+
+def test_the_drops_are_seeded() -> None:
+    def run(seed: int) -> list[list[int]]:
+        arena = _Arena(1024, 56)
+        lossy = _LossyArena(arena, 0.2, np.random.default_rng(seed))
+        for _ in range(10):
+            lengths = np.full(32, 56)
+            _fill(arena, arena.rx_free, lengths, arena.rx_free)
+            lossy.commit_datagrams(lengths, 0, 0.0)
+        return [c[0].tolist() for c in arena.committed] + [[lossy.dropped]]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
