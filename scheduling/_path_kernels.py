@@ -44,6 +44,24 @@ ASSIGNED, SPREAD_ALL, SPREAD_SPLIT = 0, 1, 2
 
 
 @njit(cache=True, nogil=True)
+def lossy_paths(
+    loss: np.ndarray, state: np.ndarray, loss_suspect: float, loss_ratio: float, out: np.ndarray
+) -> None:
+    """``out[p]``: path ``p``'s loss EWMA marks it SUSPECT — above ``loss_suspect``, and above
+    ``loss_ratio`` times the lowest loss EWMA of the *other* UP paths. Loss that every path
+    shows (random loss on the links, lost acknowledgements read as lost data) is no reason to
+    move traffic off one of them, and with no other UP path there is nowhere better to move it:
+    either way only silence takes a path out."""
+    n = loss.shape[0]
+    for p in range(n):
+        best = np.inf
+        for q in range(n):
+            if q != p and state[q] == _UP and loss[q] < best:
+                best = loss[q]
+        out[p] = best < np.inf and loss[p] > loss_suspect and loss[p] > loss_ratio * best
+
+
+@njit(cache=True, nogil=True)
 def ack_update(
     path: np.ndarray,
     sizes: np.ndarray,
@@ -69,6 +87,7 @@ def ack_update(
     rate_alpha: float,
     rate_window_s: float,
     loss_suspect: float,
+    loss_ratio: float,
     min_rate: float,
 ) -> None:
     """Apply one batch of acknowledged packets (``path``, ``sizes``, optional ``rtt`` each).
@@ -145,8 +164,12 @@ def ack_update(
             win_t0[p] = np.nan
         if close or restart:
             win_bytes[p] = 0.0
-        # Evidence of delivery lifts a SUSPECT/DOWN path unless its loss is still high.
-        if got and loss[p] <= loss_suspect and state[p] != _UP:
+    # Evidence of delivery lifts a SUSPECT/DOWN path unless its loss is still high (judged on
+    # every path's updated loss and the states before any lift).
+    high = np.empty(n_paths, dtype=np.bool_)
+    lossy_paths(loss, state, loss_suspect, loss_ratio, high)
+    for p in range(n_paths):
+        if acked[p] > 0.0 and not high[p] and state[p] != _UP:
             state[p] = _UP
             next_probe[p] = np.inf
 
@@ -234,6 +257,7 @@ def assign_plan(
     suspect_after_s: float,
     down_after_s: float,
     loss_suspect: float,
+    loss_ratio: float,
     suspect_share: float,
     min_rate: float,
     small_batch: int,
@@ -253,6 +277,8 @@ def assign_plan(
     n_paths = state.shape[0]
     n_pkt = sizes.shape[0]
     eff = np.empty(n_paths, dtype=np.int64)
+    high = np.empty(n_paths, dtype=np.bool_)
+    lossy_paths(loss, state, loss_suspect, loss_ratio, high)
     n_up = 0
     n_suspect = 0
     for p in range(n_paths):
@@ -261,9 +287,7 @@ def assign_plan(
         busy = outstanding[p] > 0.0
         to_down = (busy or s == _SUSPECT) and s != _DOWN and silent_for >= down_after_s
         to_suspect = (
-            s == _UP
-            and not to_down
-            and ((busy and silent_for >= suspect_after_s) or loss[p] > loss_suspect)
+            s == _UP and not to_down and ((busy and silent_for >= suspect_after_s) or high[p])
         )
         if to_down:
             s = _DOWN
@@ -494,13 +518,17 @@ def tick_update(
     suspect_after_s: float,
     down_after_s: float,
     loss_suspect: float,
+    loss_ratio: float,
     went_down: np.ndarray,
 ) -> int:
     """Silence and loss moves of ``PathSet.tick``: a path with bytes out (or already SUSPECT)
     and no progress for ``down_after_s`` goes DOWN (its outstanding bytes written off); an UP
     path silent for ``suspect_after_s`` with bytes out, or whose loss EWMA passed
-    ``loss_suspect``, goes SUSPECT. Either is probed at once unless a probe is scheduled.
-    Writes the paths that went DOWN to ``went_down`` and returns how many."""
+    ``loss_suspect`` (:func:`lossy_paths`, judged on the states before this tick), goes
+    SUSPECT. Either is probed at once unless a probe is scheduled. Writes the paths that went
+    DOWN to ``went_down`` and returns how many."""
+    high = np.empty(state.shape[0], dtype=np.bool_)
+    lossy_paths(loss, state, loss_suspect, loss_ratio, high)
     n_down = 0
     for p in range(state.shape[0]):
         s = state[p]
@@ -513,7 +541,7 @@ def tick_update(
             win_t0[p] = np.nan
             went_down[n_down] = p
             n_down += 1
-        elif s == _UP and ((busy and silent_for >= suspect_after_s) or loss[p] > loss_suspect):
+        elif s == _UP and ((busy and silent_for >= suspect_after_s) or high[p]):
             state[p] = _SUSPECT
             next_probe[p] = min(next_probe[p], now)
     return n_down
@@ -539,12 +567,15 @@ def tick_due(
     suspect_after_s: float,
     down_after_s: float,
     loss_suspect: float,
+    loss_ratio: float,
     probes: bool,
 ) -> float:
     """The earliest time at which :func:`tick_update` would move a path or, with ``probes``,
     :func:`probe_due` find a probe due, as the paths stand (an ACK, a send or a loss changes
     them); ``-inf``: now (a loss EWMA past ``loss_suspect``), ``inf``: never. The same sums as
     those two, so at that time they act."""
+    high = np.empty(state.shape[0], dtype=np.bool_)
+    lossy_paths(loss, state, loss_suspect, loss_ratio, high)
     best = np.inf
     for p in range(state.shape[0]):
         s = state[p]
@@ -552,7 +583,7 @@ def tick_due(
         if (busy or s == _SUSPECT) and s != _DOWN:
             best = min(best, _silent_until(last_progress[p], down_after_s))
         if s == _UP:
-            if loss[p] > loss_suspect:
+            if high[p]:
                 return -np.inf
             if busy:
                 best = min(best, _silent_until(last_progress[p], suspect_after_s))

@@ -12,7 +12,8 @@ state      entered when                                                 gets
 =========  ==========================================================  =======================
 UP         start; any ack or probe ack while loss is below threshold    its share of everything
 SUSPECT    outstanding data but no progress for ``suspect_after_s``,    no protected packets, a
-           or loss EWMA above ``loss_suspect``                          trickle of the others
+           or loss EWMA above ``loss_suspect`` and ``loss_ratio`` x     trickle of the others
+           the lowest of the other UP paths'
 DOWN       no progress for ``down_after_s`` (data outstanding or       nothing; probes only
            already SUSPECT)
 =========  ==========================================================  =======================
@@ -49,6 +50,7 @@ from scheduling._path_kernels import (
     ack_update,
     assign_plan,
     assign_spread,
+    lossy_paths,
     probe_due,
     sent_update,
     tick_due,
@@ -83,7 +85,12 @@ class PathConfig:
         suspect_after_s: a path with outstanding data and no delivery for this long is SUSPECT.
         down_after_s: no delivery for this long → DOWN (>= ``suspect_after_s``).
         probe_interval_s: interval between probes of a SUSPECT or DOWN path.
-        loss_suspect: a loss EWMA above this marks the path SUSPECT, in (0, 1].
+        loss_suspect: a loss EWMA above this marks the path SUSPECT, in (0, 1]...
+        loss_ratio: ...if it is also above this multiple (>= 1) of the lowest loss EWMA among
+            the other UP paths. Loss every path shows — random loss on the links, acknowledgements
+            lost and their packets read as lost — is no reason to move traffic off one path:
+            with an absolute threshold alone, 5% random loss on two equal paths (with the
+            acknowledgements it costs) took one of them out, and its load moved to the other.
         loss_alpha: weight of one packet in the loss EWMA.
         initial_rate_Bps: rate estimate of a path before it delivered anything (bytes/s).
         rtt_alpha: weight of a new sample in the smoothed RTT (RFC 6298: 1/8); the deviation
@@ -100,6 +107,7 @@ class PathConfig:
     down_after_s: float = 0.2
     probe_interval_s: float = 0.02
     loss_suspect: float = 0.3
+    loss_ratio: float = 2.0
     loss_alpha: float = 0.05
     initial_rate_Bps: float = 1.25e8  # noqa: N815 (B = bytes)
     rtt_alpha: float = 0.125
@@ -127,6 +135,8 @@ class PathConfig:
             )
         if not 0.0 < self.loss_suspect <= 1.0:
             raise ConfigError(f"loss_suspect must be in (0, 1], got {self.loss_suspect}")
+        if not 1.0 <= self.loss_ratio < math.inf:
+            raise ConfigError(f"loss_ratio must be a finite number >= 1, got {self.loss_ratio}")
         for name in ("loss_alpha", "rate_alpha"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
@@ -300,6 +310,7 @@ class PathSet:
             cfg.suspect_after_s,
             cfg.down_after_s,
             cfg.loss_suspect,
+            cfg.loss_ratio,
             cfg.suspect_share,
             _MIN_RATE,
             _SMALL_BATCH,
@@ -372,6 +383,7 @@ class PathSet:
             cfg.rate_alpha,
             cfg.rate_window_s,
             cfg.loss_suspect,
+            cfg.loss_ratio,
             _MIN_RATE,
         )
 
@@ -384,8 +396,10 @@ class PathSet:
         self._lost_total += lost
         keep = (1.0 - self.config.loss_alpha) ** counts
         self._loss = self._loss * keep + (1.0 - keep)
-        lossy = (self._loss > self.config.loss_suspect) & (self._state == PathState.UP)
-        self._set_state(lossy, PathState.SUSPECT, now)
+        cfg = self.config
+        high = np.empty(self.n_paths, dtype=bool)
+        lossy_paths(self._loss, self._state, cfg.loss_suspect, cfg.loss_ratio, high)
+        self._set_state(high & (self._state == PathState.UP), PathState.SUSPECT, now)
 
     def on_released(self, path: np.ndarray, sizes: np.ndarray) -> None:
         """Take packets out of the outstanding bytes without evidence of delivery or loss.
@@ -417,6 +431,7 @@ class PathSet:
             cfg.suspect_after_s,
             cfg.down_after_s,
             cfg.loss_suspect,
+            cfg.loss_ratio,
             self._went_down,
         )
         return self._went_down[:n_down].tolist() if n_down else []
@@ -440,6 +455,7 @@ class PathSet:
                 cfg.suspect_after_s,
                 cfg.down_after_s,
                 cfg.loss_suspect,
+                cfg.loss_ratio,
                 probes,
             )
         )

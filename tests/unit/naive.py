@@ -38,6 +38,7 @@ __all__ = [
     "pack",
     "path_ack_update",
     "path_assign",
+    "path_lossy",
     "path_on_sent",
     "place",
     "reduce",
@@ -245,6 +246,21 @@ def hadamard_inverse(y: np.ndarray, *, seed: int, block: int = 1024) -> np.ndarr
 
 
 # -- PathSet acknowledgement update: the numpy formulation the compiled kernel must match ---------
+def path_lossy(loss: np.ndarray, state: np.ndarray, cfg: Any) -> np.ndarray:
+    """Per path: its loss EWMA is above ``loss_suspect`` and above ``loss_ratio`` times the
+    lowest loss EWMA of the other UP paths (False with no other UP path)."""
+    up_loss = np.where(state == 0, loss, np.inf)
+    best_other = np.array(
+        [np.min(np.delete(up_loss, p), initial=np.inf) for p in range(loss.shape[0])]
+    )
+    with np.errstate(invalid="ignore"):
+        return (
+            np.isfinite(best_other)
+            & (loss > cfg.loss_suspect)
+            & (loss > cfg.loss_ratio * best_other)
+        )
+
+
 def path_ack_update(
     ps: Any, path: np.ndarray, sizes: np.ndarray, now: float, rtt: Any, counted: Any = None
 ) -> None:
@@ -295,7 +311,7 @@ def path_ack_update(
     restart = got & ~drained & (close | ~open_)
     ps._win_t0[:] = np.where(restart, now, np.where(close, np.nan, ps._win_t0))
     ps._win_bytes[:] = np.where(close | restart, 0.0, ps._win_bytes)
-    lift = got & (ps._loss <= cfg.loss_suspect) & (ps._state != 0)
+    lift = got & ~path_lossy(ps._loss, ps._state, cfg) & (ps._state != 0)
     ps._state[lift] = 0
     ps._next_probe[lift] = np.inf
 
@@ -392,7 +408,7 @@ def _path_transitions(ps: Any, now: float) -> tuple[np.ndarray, np.ndarray]:
     to_suspect = (
         up
         & ~to_down
-        & ((busy & (silent_for >= cfg.suspect_after_s)) | (ps._loss > cfg.loss_suspect))
+        & ((busy & (silent_for >= cfg.suspect_after_s)) | path_lossy(ps._loss, ps._state, cfg))
     )
     return to_suspect, to_down
 

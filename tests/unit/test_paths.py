@@ -73,6 +73,8 @@ def run_window_limited(
         ({"down_after_s": 0.01}, "down_after_s"),
         ({"probe_interval_s": -1.0}, "probe_interval_s"),
         ({"loss_suspect": 0.0}, "loss_suspect"),
+        ({"loss_ratio": 0.5}, "loss_ratio"),
+        ({"loss_ratio": float("inf")}, "loss_ratio"),
         ({"loss_alpha": 2.0}, "loss_alpha"),
         ({"initial_rate_Bps": float("inf")}, "initial_rate_Bps"),
         ({"rtt_alpha": 0.6}, "rtt_alpha"),
@@ -278,6 +280,49 @@ def test_lossy_path_becomes_suspect() -> None:
     assert snap["lost_bytes"] == [0.0, 20.0 * PKT]
     ps.on_probe_ack(1, 0.1)
     assert ps.state(1) == PathState.UP
+
+
+def test_loss_every_path_shows_takes_none_out() -> None:
+    """Loss that every path shows alike (random loss on the links, the ACKs it costs read as
+    lost packets) keeps them all UP, however high it runs: moving traffic would only load one
+    path with all of it. A path much lossier than the others still goes SUSPECT."""
+    gen = np.random.default_rng(3)
+    ps = make(2, loss_suspect=0.3, loss_alpha=0.1)
+    both, sizes = np.array([0, 1]), np.array([PKT, PKT])
+    peak = 0.0
+    for t in range(400):
+        now = t * 0.001
+        ps.on_sent(both, sizes, now)
+        if gen.random() < 0.4:
+            ps.on_lost(both, sizes, now)
+        else:
+            ps.on_acked(both, sizes, now)
+        ps.tick(now)
+        assert ps.states.tolist() == [PathState.UP, PathState.UP], t
+        peak = max(peak, *ps.snapshot()["loss"])  # type: ignore[misc]
+    assert peak > 0.5  # far over loss_suspect, on both paths
+    # Now path 1 alone loses everything: twice the other's loss and more.
+    for t in range(400, 460):
+        now = t * 0.001
+        ps.on_sent(np.array([0, 1]), np.array([PKT, PKT]), now)
+        ps.on_acked(np.array([0]), np.array([PKT]), now)
+        ps.on_lost(np.array([1]), np.array([PKT]), now)
+    assert ps.state(0) == PathState.UP and ps.state(1) == PathState.SUSPECT
+
+
+def test_a_lone_lossy_path_stays_up() -> None:
+    """With no other path to move to, loss alone does not take a path out (silence does)."""
+    ps = make(1, loss_suspect=0.3, loss_alpha=0.1)
+    for t in range(50):
+        ps.on_sent(np.array([0, 0]), np.array([PKT, PKT]), t * 0.001)
+        ps.on_acked(np.array([0]), np.array([PKT]), t * 0.001)
+        ps.on_lost(np.array([0]), np.array([PKT]), t * 0.001)
+        ps.tick(t * 0.001)
+    assert ps.snapshot()["loss"][0] > 0.3  # type: ignore[index,operator]
+    assert ps.state(0) == PathState.UP
+    ps.on_sent(np.array([0]), np.array([PKT]), 1.0)
+    ps.tick(1.0 + ps.config.suspect_after_s)
+    assert ps.state(0) == PathState.SUSPECT
 
 
 def test_no_up_path_uses_best_suspect() -> None:
@@ -570,7 +615,7 @@ def _tick_reference(state, last_progress, outstanding, loss, next_probe, win_t0,
     to_suspect = (
         (state == up)
         & ~to_down
-        & ((busy & (silent_for >= cfg.suspect_after_s)) | (loss > cfg.loss_suspect))
+        & ((busy & (silent_for >= cfg.suspect_after_s)) | naive.path_lossy(loss, state, cfg))
     )
     for mask, new in ((to_suspect, suspect), (to_down, down)):
         state[mask] = new
