@@ -470,7 +470,9 @@ class Endpoint:
         self.sender.on_stop(self._out_key(f))
 
     def _on_probe(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
-        reply = self._encode_to(Kind.PROBE_ACK, (0, 0, 0, 0), f["src"], aux=f["aux"])
+        # The probe's step (within our window, so within the prober's): not step 0, which
+        # falls out of every window 64 steps into a job.
+        reply = self._encode_to(Kind.PROBE_ACK, (f["step"], 0, 0, 0), f["src"], aux=f["aux"])
         self._control.append(Datagram(reply, f["src"], path, self.config.priority.tos(0)))
 
     def _on_probe_ack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:

@@ -51,6 +51,8 @@ __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
 log = logging.getLogger(__name__)
 _NO_CHUNKS = np.empty(0, dtype=np.int64)
+#: Probes per (peer, path) whose answer is still taken (round trips up to this many intervals).
+PROBES_KEPT = 16
 
 
 @dataclass
@@ -100,7 +102,8 @@ class SenderCore:
         self._control: list[Datagram | DatagramRun] = []
         self._probe_seq = 0
         self._spares = SparePayloads()  # payload buffers of detached transfers, for reuse
-        self._probe_sent: dict[tuple[int, int], tuple[int, float]] = {}
+        # Per (peer, path): the probes in flight, seq -> send time (the newest PROBES_KEPT).
+        self._probe_sent: dict[tuple[int, int], dict[int, float]] = {}
         self._now = 0.0
         self._sendable: set[OutKey] = set()
         # RTT over every peer (RFC 6298): the RTO of a peer we have no sample from yet. All
@@ -355,10 +358,12 @@ class SenderCore:
             self._retire(t)
 
     def on_probe_ack(self, peer: int, path: int, seq: int, now: float) -> None:
-        """A probe came back: the path works again."""
-        sent = self._probe_sent.get((peer, path))
-        if sent is not None and sent[0] == seq and peer in self.paths:
-            self.paths[peer].on_probe_ack(path, now, now - sent[1])
+        """A probe came back: the path works again. Any probe in flight counts, not only the
+        newest (a round trip may outlast ``probe_interval_s``)."""
+        sent = self._probe_sent.get((peer, path), {}).get(seq)
+        if sent is not None and peer in self.paths:
+            del self._probe_sent[(peer, path)]
+            self.paths[peer].on_probe_ack(path, now, now - sent)
             self._wake(now)
 
     # -- output ------------------------------------------------------------------------------
@@ -787,10 +792,16 @@ class SenderCore:
         t.fin_sent_at = now
 
     def _probe(self, now: float, peers: set[int]) -> None:
-        """Probe suspect paths toward peers we are sending to."""
+        """Probe suspect paths toward peers we are sending to (with the newest step in flight:
+        receivers take only steps in their window)."""
+        step = max((k.step for k in self.transfers), default=0)
         for peer in peers:
             for q in self.paths[peer].probes_due(now):
                 self._probe_seq += 1
-                data = self.encode(Kind.PROBE, OutKey(0, 0, 0, 0, peer), aux=self._probe_seq)
-                self._probe_sent[(peer, q)] = (self._probe_seq, now)
+                key = OutKey(step, 0, 0, 0, peer)
+                data = self.encode(Kind.PROBE, key, aux=self._probe_seq)
+                inflight = self._probe_sent.setdefault((peer, q), {})
+                inflight[self._probe_seq] = now
+                if len(inflight) > PROBES_KEPT:
+                    del inflight[min(inflight)]
                 self._control.append(Datagram(data, peer, q, self._tos[0]))
