@@ -168,6 +168,8 @@ class SenderCore:
             return t
         if not t.manifest_acked:
             self._queue_manifest(t, now)
+        # Probes due go now: a collective shorter than tick_s never ticks (DOWN paths wait).
+        self._probe(now, {key.dst})
         self._sendable.add(key)
         if len(self.transfers) == 1:  # the only one: the tick grid starts here
             self._tick_last, self._tick_at = now, now + self.config.tick_s

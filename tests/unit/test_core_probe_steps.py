@@ -14,10 +14,13 @@ from tests.unit.wire import Wire
 from transport.packet import Kind, Reason
 
 
-@pytest.mark.parametrize("interval", [0.02, 0.0005])
-def test_a_dead_path_comes_back_through_probes_past_the_step_window(interval: float) -> None:
-    """Also where the round trip (4 ms here) outlasts the probe interval (0.5 ms): the answer
-    to an older probe still in flight counts."""
+@pytest.mark.parametrize(("interval", "latency"), [(0.02, 0.002), (0.0005, 0.002), (0.0005, 50e-6)])
+def test_a_dead_path_comes_back_through_probes_past_the_step_window(
+    interval: float, latency: float
+) -> None:
+    """Also where the round trip (4 ms) outlasts the probe interval (0.5 ms): the answer to an
+    older probe still in flight counts; and where every collective ends before the sender's
+    first tick (50 us latency): probes due go out when a transfer starts."""
     eps = make(
         2,
         n_paths=2,
@@ -37,7 +40,7 @@ def test_a_dead_path_comes_back_through_probes_past_the_step_window(interval: fl
             probes["answered"] += 1
         return dead["on"] and dg.path == 1  # path 1 carries nothing, either way
 
-    wire = Wire(eps, drop=drop, latency=0.002)  # collectives long enough for ticks
+    wire = Wire(eps, drop=drop, latency=latency)
     first = 1000  # far past step_window (64) from step 0
     for step in range(first, first + 2):
         run_allreduce(eps, datas, wire, step=step)
