@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduling.errors import ConfigError
-from scheduling.loss import Decision, LossConfig, LossPolicy, Verdict
+from scheduling.loss import Decision, LossConfig, LossPolicy, Verdict, _budget
 
 DETERMINISTIC = settings(derandomize=True, deadline=None, max_examples=300)
 
@@ -114,6 +114,8 @@ def test_budget_is_largest_within_bound(bound: float, expected: int) -> None:
     if expected:
         assert m / expected <= bound
         assert m == expected or (m + 1) / expected > bound
+    # The scalar path (every transfer start) equals decide's vectorised one.
+    assert m == int(_budget(bound, np.array([expected]))[0])
 
 
 # -- decide: the timeline --------------------------------------------------------------------------
