@@ -183,6 +183,9 @@ class LossPolicy:
         self._rttvar = np.full(2, np.nan)
         # Per phase: smoothed size (elements) of the transfers those durations come from.
         self._mean_elems = np.full(2, np.nan)
+        # budget_elems per (gather, expected elements): every transfer start and receiver check
+        # asks, for the few sizes a job's buckets have (kept bounded by _BUDGETS_KEPT).
+        self._budgets: dict[tuple[bool, int], int] = {}
 
     # -- soft deadline ----------------------------------------------------------------------------
 
@@ -261,14 +264,13 @@ class LossPolicy:
         it may skip; the receiver uses the same number to decide completion."""
         if expected_elems < 0:
             raise ValueError(f"expected_elems must be >= 0, got {expected_elems}")
-        # _budget's arithmetic on one Python float (float64 too: the same result), without the
-        # ~30 us of NumPy calls on one-element arrays — every transfer start asks.
-        bound, exp = self.config.bound(gather), int(expected_elems)
-        m = math.floor(bound * exp)
-        safe = max(exp, 1)
-        m += (m + 1) / safe <= bound and m + 1 <= exp
-        m -= m > 0 and m / safe > bound
-        return int(m)
+        key = (bool(gather), int(expected_elems))
+        m = self._budgets.get(key)
+        if m is None:  # NumPy on a one-element array: ~15 us, a lookup ~0.3
+            if len(self._budgets) >= _BUDGETS_KEPT:
+                self._budgets.clear()
+            m = self._budgets[key] = int(_budget(self.config.bound(gather), np.array([key[1]]))[0])
+        return m
 
     # -- decision -------------------------------------------------------------------------------
 
@@ -333,6 +335,10 @@ class LossPolicy:
 
 
 # -- private helpers -----------------------------------------------------------------------------
+
+
+#: Most (phase, size) budgets a policy remembers (a job has a few bucket sizes).
+_BUDGETS_KEPT = 1024
 
 
 def _budget(bound: float, expected: np.ndarray) -> np.ndarray:

@@ -30,10 +30,11 @@ import numpy as np
 
 from transport.allreduce import TransposeAllReduce
 from transport.config import TransportConfig
+from transport.endpoint import Endpoint
 from transport.errors import ConfigError, TransferFailed
 from transport.pending import CollectiveResult, PendingCollectives
 from transport.rendezvous import Address, Rendezvous
-from transport.udp import RxArena, UdpPaths, new_event_loop
+from transport.udp import UdpPaths, new_event_loop
 from transport.warm import warm_up
 
 __all__ = ["Engine", "default_local_addrs"]
@@ -54,13 +55,14 @@ def default_local_addrs(n_paths: int) -> list[Address]:
 
 
 class _LossyArena:
-    """The endpoint's receive arena behind ``TransportConfig.inject_loss`` (tests and demos): the
-    driver fills rows as always (``recvmmsg``, or a GRO split), then each datagram of the batch
-    is dropped with probability ``rate`` (``rng``: seeded per rank) before the endpoint sees it.
-    The kept rows move down over the dropped ones, in order, and only they are committed: the
-    endpoint and everything after it run exactly as on a lossy network."""
+    """The endpoint's receive side behind ``TransportConfig.inject_loss`` (tests and demos): the
+    driver fills arena rows as always (``recvmmsg``, a GRO split, or one ``recv_into`` where
+    those are missing), then each datagram is dropped with probability ``rate`` (``rng``:
+    seeded per rank) before the endpoint sees it. The kept rows of a batch move down over the
+    dropped ones, in order, and only they are committed: the endpoint and everything after it
+    run exactly as on a lossy network."""
 
-    def __init__(self, endpoint: RxArena, rate: float, rng: np.random.Generator) -> None:
+    def __init__(self, endpoint: Endpoint, rate: float, rng: np.random.Generator) -> None:
         self._ep = endpoint
         self._rate = rate
         self._rng = rng
@@ -78,20 +80,24 @@ class _LossyArena:
 
     def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
         """Drop a random part of the ``len(lengths)`` rows just filled; commit the rest."""
-        k = int(lengths.shape[0])
-        keep = (self._rng.random(k) >= self._rate).nonzero()[0]
-        if keep.shape[0] < k:
-            self.dropped += k - int(keep.shape[0])
-            # Rows before the first drop stay; each later kept row moves down (fancy indexing
-            # reads them all before writing), only as wide as the longest of them.
+        keep = np.flatnonzero(self._rng.random(lengths.shape[0]) >= self._rate)
+        moved = keep != np.arange(keep.shape[0])  # kept rows below a dropped one
+        self.dropped += lengths.shape[0] - keep.shape[0]
+        if moved.any():
+            # Each moves down (fancy indexing reads them all before writing), only as wide as
+            # the longest of them.
+            d = int(np.argmax(moved))
             first, rows = self._ep.rx_free, self._ep.rx_arena
-            d = int(np.argmax(keep != np.arange(keep.shape[0]))) if keep.shape[0] else 0
-            if keep.shape[0] and keep[d] != d:
-                src = first + keep[d:]
-                width = min(rows.shape[1], -(-int(lengths[keep[d:]].max()) // 8) * 8)
-                rows[first + d : first + keep.shape[0], :width] = rows[src, :width]
-            lengths = lengths[keep]
-        self._ep.commit_datagrams(lengths, path, now)
+            width = min(rows.shape[1], -(-int(lengths[keep[d:]].max()) // 8) * 8)
+            rows[first + d : first + keep.shape[0], :width] = rows[first + keep[d:], :width]
+        self._ep.commit_datagrams(lengths[keep], path, now)
+
+    def commit_datagram(self, nbytes: int, path: int, now: float) -> None:
+        """The one datagram just received into the endpoint's buffer: dropped, or committed."""
+        if self._rng.random() < self._rate:
+            self.dropped += 1
+        else:
+            self._ep.commit_datagram(nbytes, path, now)
 
 
 class Engine:
@@ -143,7 +149,7 @@ class Engine:
         )
         self._udp = UdpPaths(
             endpoint.rx_buffer,
-            endpoint.commit_datagram,
+            (self._lossy or endpoint).commit_datagram,
             self._on_readable,
             bufsize=cfg.socket_buffer_bytes if bufsize is None else bufsize,
             arena=self._lossy or endpoint,

@@ -114,8 +114,18 @@ def test_budget_is_largest_within_bound(bound: float, expected: int) -> None:
     if expected:
         assert m / expected <= bound
         assert m == expected or (m + 1) / expected > bound
-    # The scalar path (every transfer start) equals decide's vectorised one.
+    # The remembered budget (every transfer start asks) is what decide computes.
     assert m == int(_budget(bound, np.array([expected]))[0])
+
+
+def test_budgets_are_remembered_per_phase_and_size() -> None:
+    p = LossPolicy(LossConfig(loss_bound=0.1))
+    for _ in range(2):  # computed, then remembered: the same answers
+        assert p.budget_elems(gather=False, expected_elems=1000) == 100
+        assert p.budget_elems(gather=True, expected_elems=1000) == 50
+    for n in range(5000):  # many sizes: the memory stays bounded, the answers right
+        assert p.budget_elems(gather=False, expected_elems=n) == int(0.1 * n + 1e-9)
+    assert len(p._budgets) <= 1024
 
 
 # -- decide: the timeline --------------------------------------------------------------------------

@@ -23,6 +23,9 @@ class _Arena:
         self.committed.append((lengths.copy(), path))
         self.rx_free += int(lengths.shape[0])
 
+    def commit_datagram(self, nbytes: int, path: int, now: float) -> None:
+        self.commit_datagrams(np.array([nbytes]), path, now)
+
 
 def _fill(arena: _Arena, first: int, lengths: np.ndarray, tag: int) -> None:
     """What a receive writes: datagram i of the batch is ``lengths[i]`` bytes of its id."""
@@ -85,3 +88,16 @@ def test_the_drops_are_seeded() -> None:
 
     assert run(3) == run(3)
     assert run(3) != run(4)
+
+
+def test_one_datagram_at_a_time_is_dropped_too() -> None:
+    """Where the socket is read a datagram per call (no recvmmsg: GRADLANE_NO_MMSG=1, other
+    platforms), the same rate of them is dropped, and the rest committed as they came."""
+    arena = _Arena(4096, 64)
+    lossy = _LossyArena(arena, 0.25, np.random.default_rng(2))
+    for i in range(2000):
+        lossy.commit_datagram(48 + i % 16, path=i % 2, now=0.0)
+    kept = [int(c[0][0]) for c in arena.committed]
+    assert len(kept) + lossy.dropped == 2000
+    assert abs(lossy.dropped / 2000 - 0.25) < 0.04
+    assert all(48 <= n < 64 for n in kept)
