@@ -7,7 +7,8 @@ The per-chunk state of each outgoing transfer and its packet headers are
 a heap over transfers keyed by (class of the next chunk, layer position, creation order), so a
 front-layer bucket preempts a back-layer one and protected chunks of any bucket go first;
 retransmissions of a class go before new chunks of that class. Bytes toward a peer are paced
-per path and spread over paths by :class:`scheduling.paths.PathSet`.
+per path and spread over paths by :class:`scheduling.paths.PathSet`; the per-peer path state
+the sender keeps on top (RTOs, probes, control paths) is :mod:`transport.sender_paths`'s.
 
 Loss detection: RACK (a chunk sent well before the newest acknowledged one on the same path
 and priority class is lost), a retransmission timeout per path, and the receiver's NACKs. A
@@ -30,7 +31,6 @@ import numpy as np
 
 from scheduling.loss import LossPolicy
 from scheduling.pacing import Pacer
-from scheduling.paths import PathSet
 from scheduling.priority import MAX_CLASSES, PriorityPolicy
 from transport import kernels
 from transport._kernels_ack import note_sent
@@ -46,13 +46,12 @@ from transport.outgoing import (
     SparePayloads,
 )
 from transport.packet import Kind
+from transport.sender_paths import PeerPaths
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
 log = logging.getLogger(__name__)
 _NO_CHUNKS = np.empty(0, dtype=np.int64)
-#: Probes per (peer, path) whose answer is still taken (round trips up to this many intervals).
-PROBES_KEPT = 16
 
 
 @dataclass
@@ -92,24 +91,16 @@ class SenderCore:
         self.transfers: dict[OutKey, OutTransfer] = {}
         self._seq = 0
         self._n_paths = config.n_paths
-        self.paths = {
-            p: PathSet(config.n_paths, config.paths, rng) for p in range(world) if p != me
-        }
+        self.net = PeerPaths(me, world, config, rng)
+        self.paths = self.net.sets  # per peer: its PathSet
         self.pacers = {(p, q): make_pacer() for p in self.paths for q in range(config.n_paths)}
         n_classes = config.priority.n_classes
         self._tos = [config.priority.tos(c) for c in range(n_classes)]
         self.stats: dict[tuple[int, int], _ClassStats] = {}
         self._control: list[Datagram | DatagramRun] = []
-        self._probe_seq = 0
         self._spares = SparePayloads()  # payload buffers of detached transfers, for reuse
-        # Per (peer, path): the probes in flight, seq -> send time (the newest PROBES_KEPT).
-        self._probe_sent: dict[tuple[int, int], dict[int, float]] = {}
         self._now = 0.0
         self._sendable: set[OutKey] = set()
-        # RTT over every peer (RFC 6298): the RTO of a peer we have no sample from yet. All
-        # peers share the fabric, so this beats a fixed initial RTO by orders of magnitude.
-        self._srtt = np.nan
-        self._rttvar = np.nan
         self._tick_at = np.inf
         self._tick_last = np.inf  # the grid's anchor: the last tick (or a first start)
         self._pace_at = np.inf
@@ -271,7 +262,7 @@ class SenderCore:
         # or ABANDONED one was already taken out when it was declared lost or released.
         self.paths[peer].on_acked(r.paths, r.sizes, now, r.rtt, r.counted)
         if clean is not None:
-            self._rtt_sample(clean)
+            self.net.rtt_sample(clean)
         trig_path = int(t.path[trigger]) if clean is not None else -1
         for q in r.path_hit.nonzero()[0].tolist():
             self.pacers[(peer, q)].controller.on_ack(
@@ -360,12 +351,8 @@ class SenderCore:
             self._retire(t)
 
     def on_probe_ack(self, peer: int, path: int, seq: int, now: float) -> None:
-        """A probe came back: the path works again. Any probe in flight counts, not only the
-        newest (a round trip may outlast ``probe_interval_s``)."""
-        sent = self._probe_sent.get((peer, path), {}).get(seq)
-        if sent is not None and peer in self.paths:
-            del self._probe_sent[(peer, path)]
-            self.paths[peer].on_probe_ack(path, now, now - sent)
+        """A probe came back: the path works again (see :class:`PeerPaths`)."""
+        if self.net.on_probe_ack(peer, path, seq, now):
             self._wake(now)
 
     # -- output ------------------------------------------------------------------------------
@@ -402,7 +389,7 @@ class SenderCore:
             peer = key.dst
             if peer not in allowance:
                 allowance[peer] = sum(
-                    self.pacers[(peer, q)].allowance(now) for q in self._usable(peer)
+                    self.pacers[(peer, q)].allowance(now) for q in self.net.usable(peer)
                 )
             avail = min(allowance[peer], local_left)
             if avail <= 0:
@@ -436,7 +423,11 @@ class SenderCore:
         slot = self.config.slot_bytes * self.config.tx_quantum_packets
         t_nic = self.nic.next_send_time(now, slot) if self.nic is not None else now
         t_peer = min(
-            (self.pacers[(p, q)].next_send_time(now, slot) for p in peers for q in self._usable(p)),
+            (
+                self.pacers[(p, q)].next_send_time(now, slot)
+                for p in peers
+                for q in self.net.usable(p)
+            ),
             default=now,
         )
         return max(t_nic, t_peer, now)
@@ -464,7 +455,7 @@ class SenderCore:
         peers = {t.key.dst for t in self.transfers.values()}
         for peer in peers:
             self.paths[peer].tick(now)
-        rtos = {peer: self._path_rtos(peer) for peer in peers}  # once per peer, not per transfer
+        rtos = {peer: self.net.rtos(peer) for peer in peers}  # once per peer, not per transfer
         for t in list(self.transfers.values()):
             if now >= t.hard_deadline:
                 log.debug("sender gives up %s at the hard deadline", t.key)
@@ -521,11 +512,6 @@ class SenderCore:
             s = self.stats[(step, bucket)] = _ClassStats(z.copy(), z.copy(), z.copy(), paths)
         return s
 
-    def _usable(self, peer: int) -> range | tuple[int]:
-        if self.config.multipath:
-            return range(self._n_paths)
-        return ((self.me + peer) % self._n_paths,)
-
     def _note_lanes(self, t: OutTransfer, acked: np.ndarray, now: float) -> None:
         """Newly acknowledged chunks advance their lanes' newest delivered sequence."""
         lanes = t.path[acked].astype(np.int64) * len(self._tos) + t.prio[acked]
@@ -535,30 +521,11 @@ class SenderCore:
         t.lane_seq[ahead] = newest[ahead]
         t.lane_at[ahead] = now
 
-    def _path_rtos(self, peer: int) -> np.ndarray:
-        """Per-path RTO toward ``peer``; a path with no RTT sample yet borrows the largest RTO
-        of the peer's sampled paths (the initial RTO is for a peer we know nothing about)."""
-        ps = self.paths[peer]
-        rtos = ps.rtos()
-        sampled = ps.sampled()
-        if sampled.any() and not sampled.all():
-            rtos = np.where(sampled, rtos, rtos[sampled].max())
-        elif not sampled.any() and not np.isnan(self._srtt):
-            rtos = np.full(self._n_paths, self._srtt + 4.0 * self._rttvar)
-        return np.maximum(rtos, self.config.min_rto_s)
-
-    def _rtt_sample(self, rtt: float) -> None:
-        if np.isnan(self._srtt):
-            self._srtt, self._rttvar = rtt, rtt / 2.0
-        else:
-            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
-            self._srtt = 0.875 * self._srtt + 0.125 * rtt
-
     def _rto(self, t: OutTransfer, path_rtos: np.ndarray | None = None) -> float:
         """The transfer's RTO for control repeats (manifest, FIN): the largest of its usable
-        paths', backed off; ``path_rtos``: :meth:`_path_rtos` of its peer, if at hand."""
-        rtos = self._path_rtos(t.key.dst) if path_rtos is None else path_rtos
-        return float(max(rtos[q] for q in self._usable(t.key.dst))) * t.rto_backoff
+        paths', backed off; ``path_rtos``: :meth:`PeerPaths.rtos` of its peer, if at hand."""
+        rtos = self.net.rtos(t.key.dst) if path_rtos is None else path_rtos
+        return float(max(rtos[q] for q in self.net.usable(t.key.dst))) * t.rto_backoff
 
     def _on_timeout(self, t: OutTransfer, late: np.ndarray, now: float) -> None:
         """Chunks ``late`` of ``t`` passed their retransmission timeout.
@@ -692,7 +659,7 @@ class SenderCore:
         if self.config.multipath:
             paths = self.paths[peer].assign(now=now, sizes=sizes, protected=t.protected[chunks])
         else:
-            paths = np.full(fit, self._usable(peer)[0], dtype=np.int64)
+            paths = np.full(fit, self.net.usable(peer)[0], dtype=np.int64)
         paths = np.asarray(paths, dtype=np.int64)
         st = self._stats(t.key.step, t.key.bucket)
         per_path = np.zeros(self._n_paths, dtype=np.int64)
@@ -735,7 +702,9 @@ class SenderCore:
         # The receiver's deadline is for everything it expects: this shard from each sender.
         senders = 1 if t.gather else self.world - 1
         deadline = t.started + self.loss.soft_deadline(t.gather, t.n_elems * senders)
-        rate = sum(self.pacers[(t.key.dst, q)].controller.rate_Bps for q in self._usable(t.key.dst))
+        rate = sum(
+            self.pacers[(t.key.dst, q)].controller.rate_Bps for q in self.net.usable(t.key.dst)
+        )
         remaining = float(t.lengths[t.order[t.cursor :]].sum())
         if now + remaining / max(rate, 1.0) <= deadline:
             return fresh
@@ -756,18 +725,10 @@ class SenderCore:
         key = t.key
         payload = np.packbits(t.protected, bitorder="little").tobytes()
         data = self.encode(Kind.MANIFEST, key, chunk=0, count=t.n_chunks, payload=payload)
-        self._control.append(Datagram(data, key.dst, self._control_path(key.dst), self._tos[0]))
-        t.manifest_sent_at = now
-
-    def _control_path(self, peer: int) -> int:
-        usable = self._usable(peer)
-        if len(usable) == 1:
-            return usable[0]
-        return int(
-            self.paths[peer].assign(
-                now=self._now, sizes=np.array([64]), protected=np.array([True])
-            )[0]
+        self._control.append(
+            Datagram(data, key.dst, self.net.control_path(key.dst, self._now), self._tos[0])
         )
+        t.manifest_sent_at = now
 
     def _release(self, t: OutTransfer, idx: np.ndarray) -> None:
         """Chunks in flight that the sender stops tracking leave their paths' outstanding bytes."""
@@ -790,20 +751,15 @@ class SenderCore:
             return
         payload = np.packbits(t.state == ABANDONED, bitorder="little").tobytes()
         data = self.encode(Kind.FIN, t.key, chunk=0, count=t.n_chunks, payload=payload)
-        self._control.append(Datagram(data, t.key.dst, self._control_path(t.key.dst), self._tos[0]))
+        self._control.append(
+            Datagram(data, t.key.dst, self.net.control_path(t.key.dst, self._now), self._tos[0])
+        )
         t.fin_sent_at = now
 
     def _probe(self, now: float, peers: set[int]) -> None:
         """Probe suspect paths toward peers we are sending to (with the newest step in flight:
         receivers take only steps in their window)."""
         step = max((k.step for k in self.transfers), default=0)
-        for peer in peers:
-            for q in self.paths[peer].probes_due(now):
-                self._probe_seq += 1
-                key = OutKey(step, 0, 0, 0, peer)
-                data = self.encode(Kind.PROBE, key, aux=self._probe_seq)
-                inflight = self._probe_sent.setdefault((peer, q), {})
-                inflight[self._probe_seq] = now
-                if len(inflight) > PROBES_KEPT:
-                    del inflight[min(inflight)]
-                self._control.append(Datagram(data, peer, q, self._tos[0]))
+        for peer, q, seq in self.net.probes_due(now, peers):
+            data = self.encode(Kind.PROBE, OutKey(step, 0, 0, 0, peer), aux=seq)
+            self._control.append(Datagram(data, peer, q, self._tos[0]))
