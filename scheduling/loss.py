@@ -43,6 +43,7 @@ from typing import Literal
 
 import numpy as np
 
+from scheduling import _loss_kernels as _lk
 from scheduling.errors import ConfigError
 
 __all__ = ["Decision", "LossConfig", "LossPolicy", "Verdict"]
@@ -52,6 +53,10 @@ _HARD_DEADLINE_ACTIONS = ("degrade", "raise")
 # Class used to order the missing chunks of a sender whose classes the receiver does not know
 # yet: treat them as urgent, since asking for them early is also how the receiver learns them.
 _UNKNOWN_CLASS = 0
+#: ``prio`` for the loss kernels when no classes are known (every chunk _UNKNOWN_CLASS).
+_NO_PRIO = np.zeros((0, 0), dtype=np.int64)
+_NO_NEED = np.empty((0, 2), dtype=np.int64)
+_NO_NEED.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -332,6 +337,69 @@ class LossPolicy:
             )
             return verdict(decision, done_need, math.inf)
         return verdict(Decision.CONTINUE, f.need(f.needed(budget)), started + cfg.hard_deadline_s)
+
+    def decide_rows(
+        self,
+        *,
+        gather: bool,
+        received: np.ndarray,
+        counts: np.ndarray,
+        protected: np.ndarray,
+        known: np.ndarray,
+        started: float,
+        now: float,
+        prio: np.ndarray | None = None,
+    ) -> Verdict:
+        """:meth:`decide` for senders that all send the same chunks — a receiver's matrices.
+
+        ``received`` and ``protected`` are (senders, chunks), nonzero/True where the chunk came
+        or is protected; ``counts`` the elements of each chunk (>= 1); ``known`` per sender,
+        whether its protected set is known (its ``protected`` row is ignored otherwise);
+        ``prio`` (senders, chunks) classes >= 0, or None (unknown). Same verdict as
+        :meth:`decide` given the rows as lists, computed by compiled passes
+        (:mod:`scheduling._loss_kernels`) instead of ~60 NumPy calls: a lossy receiver asks
+        several times per collective.
+        """
+        n_src, n = received.shape
+        if counts.shape != (n,) or protected.shape != (n_src, n) or known.shape != (n_src,):
+            raise ValueError(
+                f"received {received.shape}: counts, protected and known must be ({n},), "
+                f"({n_src}, {n}) and ({n_src},); got {counts.shape}, {protected.shape}, "
+                f"{known.shape}"
+            )
+        if prio is None:
+            classes = _NO_PRIO
+        else:
+            classes = np.asarray(prio, dtype=np.int64)
+            if classes.shape != (n_src, n) or (classes.size and classes.min() < 0):
+                raise ValueError(f"prio must be ({n_src}, {n}) classes >= 0")
+        missing_elems, expected, frac, n_missing, blocked, worst = _lk.tally(
+            received, counts, protected, known
+        )
+
+        def verdict(decision: Decision, need: np.ndarray, next_deadline: float) -> Verdict:
+            return Verdict(decision, need, frac, missing_elems, expected, next_deadline)
+
+        if not n_missing:
+            return verdict(Decision.COMPLETE, _NO_NEED, math.inf)
+        cfg = self.config
+        elapsed = now - started
+        per_sender = int(expected[0])
+        soft = self.soft_deadline(gather, per_sender * n_src)
+        if elapsed < soft:
+            need = _lk.need_rows(received, counts, protected, known, classes, 0, True)
+            return verdict(Decision.CONTINUE, need, started + soft)
+        # Every sender expects the same elements, so one budget serves all (remembered).
+        budget = self.budget_elems(gather=gather, expected_elems=per_sender)
+        if not blocked and worst <= budget:
+            return verdict(Decision.COMPLETE, _NO_NEED, math.inf)
+        if elapsed >= cfg.hard_deadline_s:
+            decision = (
+                Decision.COMPLETE_DEGRADED if cfg.on_hard_deadline == "degrade" else Decision.FAIL
+            )
+            return verdict(decision, _NO_NEED, math.inf)
+        need = _lk.need_rows(received, counts, protected, known, classes, budget, False)
+        return verdict(Decision.CONTINUE, need, started + cfg.hard_deadline_s)
 
 
 # -- private helpers -----------------------------------------------------------------------------

@@ -614,12 +614,12 @@ class ReceiverCore:
             # earlier): skip building its view of every chunk. Two checks in three under loss
             # come here (pass ends, NACK repeats); a check costs ~15% less CPU for it.
             return
-        verdict = self.loss.decide(
+        verdict = self.loss.decide_rows(
             gather=gather,
-            received=[t.received[r] != 0 for r in rows],
-            chunk_elems=[t.counts for _ in rows],
-            protected=[t.protected[r] if t.manifest_known[r] else None for r in rows],
-            prio=[None for _ in rows],
+            received=t.received[rows],
+            counts=t.counts,
+            protected=t.protected[rows],
+            known=t.manifest_known[rows],
             started=t.started,
             now=now,
         )

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from scheduling.loss import LossConfig, LossPolicy
 from scheduling.pacing import PacingConfig
 from transport import _mmsg, kernels, zmq_batch
 from transport.allreduce import TransposeAllReduce
@@ -141,6 +142,26 @@ def _warm_all_reduce() -> None:
         (DType.BF16, np.arange(2000, dtype=np.uint16)),
     ):
         _warm_exchange(cfg, dtype, data)
+    _warm_loss_decision()
+
+
+def _warm_loss_decision() -> None:
+    # The receiver's compiled loss decision runs only past a soft deadline (0.5 s before any
+    # history), which the exchange's clock never reaches: call it as the receiver does, before
+    # the deadline (every missing chunk) and after it (the budget's share).
+    policy = LossPolicy(LossConfig(loss_bound=0.1))
+    received = np.zeros((2, 3), dtype=np.uint8)
+    received[0, 0] = 1
+    for now in (0.0, 1.0):
+        policy.decide_rows(
+            gather=False,
+            received=received,
+            counts=np.ones(3, dtype=np.int64),
+            protected=np.zeros((2, 3), dtype=bool),
+            known=np.ones(2, dtype=bool),
+            started=0.0,
+            now=now,
+        )
 
 
 def _warm_exchange(cfg: TransportConfig, dtype: int | None, data: np.ndarray) -> None:
