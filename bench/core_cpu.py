@@ -76,8 +76,8 @@ def _deliver(eps: list[Any], queues: list[list[Any]], r: int, now: float) -> Non
             ep.commit_datagrams(lengths, path, now)  # processes the arena when it is full
 
 
-def _route(out: list[Any], queues: list[list[Any]]) -> None:
-    """Queue every datagram of a service pass at its destination."""
+def _route(out: list[Any], queues: list[list[Any]], lose: Any = None) -> None:
+    """Queue every datagram of a service pass at its destination; ``lose()`` True drops one."""
     from transport.events import DatagramRun
 
     for item in out:
@@ -85,22 +85,43 @@ def _route(out: list[Any], queues: list[list[Any]]) -> None:
             hdr = np.frombuffer(item.hdr, dtype=np.uint8).reshape(-1, item.header_bytes)
             pay = item.payload
             for i in range(len(item)):
+                if lose is not None and lose():
+                    continue
                 s, z = int(item.starts[i]), int(item.sizes[i])
                 parts = (hdr[int(item.chunks[i])].copy(), bytes(pay[s : s + z]))
                 queues[item.peer].append((int(item.paths[i]), parts))
-        else:
+        elif lose is None or not lose():
             whole: tuple[bytes, ...] = (bytes(item.data),) if item.payload is None else (
                 bytes(item.data), bytes(item.payload))  # fmt: skip
             queues[item.peer].append((item.path, whole))
 
 
-def run_one(world: int, mb: float, reps: int, tick_s: float, profile: Any = None) -> dict[str, Any]:
-    """``reps`` all-reduces of ``mb`` MB float32 among ``world`` in-process cores."""
+def run_one(
+    world: int,
+    mb: float,
+    reps: int,
+    tick_s: float,
+    profile: Any = None,
+    *,
+    chunk_bytes: int = 65000,
+    loss: float = 0.0,
+    loss_bound: float = 0.0,
+    seed: int = 0,
+    round_s: float = 0.0,
+) -> dict[str, Any]:
+    """``reps`` all-reduces of ``mb`` MB float32 among ``world`` in-process cores; ``loss``: the
+    fraction of datagrams (data and control) the harness drops, seeded; ``loss_bound`` the
+    cores' (then the result is not checked against the exact sum). ``round_s`` > 0: the clock
+    moves by exactly that much per round instead of the round's longest pass, so the same seed
+    replays the same protocol run (the measured CPU decides nothing)."""
+    from scheduling.loss import LossConfig
     from transport.allreduce import TransposeAllReduce
     from transport.config import loopback_config
     from transport.events import AllReduceComplete, AllReduceFailed
 
-    cfg = loopback_config(chunk_bytes=65000)
+    cfg = loopback_config(chunk_bytes=chunk_bytes, loss=LossConfig(loss_bound=loss_bound))
+    drops = np.random.default_rng(seed + 1)
+    lose = (lambda: bool(drops.random() < loss)) if loss > 0 else None
     eps = [TransposeAllReduce(r, world, cfg) for r in range(world)]
     n = int(mb * MB) // 4
     rng = np.random.default_rng(0)
@@ -131,7 +152,7 @@ def run_one(world: int, mb: float, reps: int, tick_s: float, profile: Any = None
         step = rep + 1
         for r in range(world):
             timed(r, eps[r].start, step, 0, bufs[r], 0.5, now, out=bufs[r])
-            _route(timed(r, eps[r].datagrams_to_send, now, process_input=False), queues)
+            _route(timed(r, eps[r].datagrams_to_send, now, process_input=False), queues, lose)
         done = [False] * world
         rounds = 0
         while not all(done):
@@ -147,25 +168,35 @@ def run_one(world: int, mb: float, reps: int, tick_s: float, profile: Any = None
                 when = eps[r].get_timer()
                 if when is not None and when <= now:
                     timed(r, eps[r].handle_timer, now)
-                _route(timed(r, eps[r].datagrams_to_send, now), queues)
+                _route(timed(r, eps[r].datagrams_to_send, now), queues, lose)
                 passes += 1
                 while (ev := timed(r, eps[r].next_event)) is not None:
                     if isinstance(ev, AllReduceFailed):
                         raise RuntimeError(f"rank {r}: {ev}")
                     if isinstance(ev, AllReduceComplete):
                         done[r] = True
-            now += max(tick_s, *(a - b for a, b in zip(spent, before, strict=True)))
-        # Let the last acknowledgements land so no rank carries owed data into the next rep.
-        for _ in range(50):
-            if not any(queues):
+            if round_s > 0:
+                now += round_s
+            else:
+                now += max(tick_s, *(a - b for a, b in zip(spent, before, strict=True)))
+        # Let the last acknowledgements land (and, under loss, the last resends and STOPs) so no
+        # rank carries owed data into the next rep; untimed.
+        for _ in range(5000):
+            if not any(queues) and not any(e.endpoint.sender.transfers for e in eps):
                 break
             now += tick_s
             for r in range(world):
                 _deliver(eps, queues, r, now)
-                _route(timed(r, eps[r].datagrams_to_send, now), queues)
+                when = eps[r].get_timer()
+                if when is not None and when <= now:
+                    eps[r].handle_timer(now)
+                _route(eps[r].datagrams_to_send(now), queues, lose)
+                while eps[r].next_event() is not None:
+                    pass
         expect = np.sum(datas, axis=0, dtype=np.float64)
         for r in range(world):
-            np.testing.assert_allclose(bufs[r], expect, rtol=1e-4, atol=1e-4)
+            if loss_bound == 0.0:
+                np.testing.assert_allclose(bufs[r], expect, rtol=1e-4, atol=1e-4)
         if rep >= 2:
             per_rep.append(sum(spent) / world)
     ms = np.array(per_rep) * 1000.0
@@ -177,6 +208,9 @@ def run_one(world: int, mb: float, reps: int, tick_s: float, profile: Any = None
         "cpu_ms_p10": round(float(np.percentile(ms, 10)), 3),
         "cpu_ms_p90": round(float(np.percentile(ms, 90)), 3),
         "passes_per_rank_per_collective": round(passes / (reps + 2) / world, 1),
+        "chunk_bytes": chunk_bytes,
+        "loss": loss,
+        "loss_bound": loss_bound,
     }
 
 
@@ -187,6 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1,25", help="comma-separated sizes in MB (default 1,25)")
     ap.add_argument("--reps", type=int, default=20, help="timed collectives per case")
     ap.add_argument("--tick-us", type=float, default=20.0, help="least simulated time per round")
+    ap.add_argument("--chunk-bytes", type=int, default=65000, help="payload per datagram")
+    ap.add_argument(
+        "--loss", type=float, default=0.0, help="fraction of datagrams dropped (seeded)"
+    )
+    ap.add_argument("--loss-bound", type=float, default=0.0, help="the cores' loss bound")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--round-us",
+        type=float,
+        default=0.0,
+        help="simulated time per round (default: the round's longest pass, at least --tick-us); "
+        "fixed, the same seed replays the same run",
+    )
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--profile", help="write a cProfile of the cores' calls here")
     args = ap.parse_args(argv)
@@ -198,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for world in (int(x) for x in args.ranks.split(",")):
         for mb in (float(x) for x in args.sizes.split(",")):
-            row = run_one(world, mb, args.reps, args.tick_us * 1e-6, prof)
+            row = run_one(
+                world, mb, args.reps, args.tick_us * 1e-6, prof, chunk_bytes=args.chunk_bytes,
+                loss=args.loss, loss_bound=args.loss_bound, seed=args.seed,
+                round_s=args.round_us * 1e-6,
+            )  # fmt: skip
             rows.append(row)
             print(
                 f"{world} ranks {mb:g} MB: {row['cpu_ms_per_rank']:.2f} ms CPU per rank "

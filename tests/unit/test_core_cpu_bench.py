@@ -21,3 +21,17 @@ def test_core_cpu_benchmark_sums_and_writes_its_summary(tmp_path):
     for row in doc["rows"]:
         assert row["cpu_ms_per_rank"] > 0
         assert row["passes_per_rank_per_collective"] >= 1
+
+
+def test_core_cpu_benchmark_under_loss_replays_the_same_run(tmp_path):
+    """With loss and a fixed clock the harness drops the same datagrams at the same times: two
+    runs take the same service passes (what makes a CPU comparison of two commits fair)."""
+    args = ["--ranks", "3", "--sizes", "0.05", "--reps", "3", "--chunk-bytes", "2048",
+            "--loss", "0.1", "--loss-bound", "0.05", "--round-us", "200"]  # fmt: skip
+    rows = []
+    for k in range(2):
+        path = tmp_path / f"lossy{k}.json"
+        assert core_cpu.main([*args, "--json", str(path)]) == 0
+        rows.append(json.loads(path.read_text())["rows"][0])
+    assert rows[0]["loss"] == 0.1 and rows[0]["chunk_bytes"] == 2048
+    assert rows[0]["passes_per_rank_per_collective"] == rows[1]["passes_per_rank_per_collective"]
