@@ -186,6 +186,9 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
                 closers.append(plane)
                 engines["zmq_unbatched"] = plane.start()
         out = _timed_loop(rank, world, engines, args, dist, torch)
+        for e in engines.values():  # peers have what this rank sent, while every engine answers
+            e.drain()
+        dist.barrier()
         if rank == 0:
             results.put(("ok", out))
     except BaseException:

@@ -237,8 +237,9 @@ def _train(
     finally:
         rec.close()
         if state is not None:
-            # Every rank is past its last step before any engine closes, so the engines still
-            # answer each other while they drain what they sent.
+            # Drain, then the barrier: every engine still answers while the others drain what
+            # they sent, and none closes before all have (GradlaneState.drain).
+            state.drain()
             dist.barrier()
             state.close()
 

@@ -162,7 +162,9 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             dist.all_reduce(per, op=dist.ReduceOp.SUM)
             per /= world * args["steps"]
             engine[v] = {"cpu_s": float(per[0]), "timer_passes": float(per[1])}
-        dist.barrier()  # every rank is past its last step before the engines close
+        for state in states.values():  # peers have what this rank sent, while all still answer
+            state.drain()
+        dist.barrier()  # every rank is past its last step and drained before the engines close
     finally:
         for state in states.values():
             state.close()

@@ -342,7 +342,10 @@ class _Rank:
             for k, cfg in enumerate(cfgs):
                 engines.append(None if cfg.transport == "gloo" else self._engine(k, cfg))
             self._replay(cfgs, engines)
-            self.dist.barrier()  # every rank is done before any engine stops answering
+            for engine in engines:  # peers have what this rank sent (Engine.drain)...
+                if engine is not None:
+                    engine.drain()
+            self.dist.barrier()  # ...on every rank before any engine stops answering
         finally:
             for engine in engines:
                 if engine is not None:

@@ -259,6 +259,9 @@ class Plane(Protocol):
     def stats(self) -> dict[str, Any]:
         """The plane's counters."""
 
+    def drain(self, timeout_s: float = 2.0) -> bool:
+        """Wait (bounded) until peers have what this rank sent; True when nothing is owed."""
+
     def close(self) -> None:
         """Fail in-flight work and release sockets and threads."""
 
@@ -417,6 +420,20 @@ class GradlaneState:
             request_timeout_s=2 * loss.hard_deadline_s + 10.0,
         )
         return client.start()
+
+    def drain(self, timeout_s: float = 2.0) -> bool:
+        """Wait up to ``timeout_s`` until the peers have acknowledged what this rank sent them
+        (:meth:`transport.engine.Engine.drain`); True when nothing is owed.
+
+        The end of a job, on every rank: ``state.drain()``, ``dist.barrier()``,
+        ``state.close()``. A rank finishes its last step once it has received everything,
+        while a peer may still miss a datagram of it (or an ACK of its own was lost): closing
+        right away left that peer resending into silence for ``close``'s 2 s drain, and a
+        warning. The barrier keeps every engine answering until all have drained.
+        """
+        if self._closed:
+            return True
+        return self.plane.drain(timeout_s)
 
     def close(self) -> None:
         """Stop the data plane (in-flight buckets fail); later buckets fail with a clear error."""

@@ -90,7 +90,10 @@ def main() -> None:
         pred = model(torch.as_tensor(x_te / 16.0, dtype=torch.float32, device=device)).argmax(1)
         accuracy = float((pred.cpu() == torch.as_tensor(y_te)).float().mean()) * 100.0
     print(f"rank {rank}: test accuracy {accuracy:.2f}% after {args.steps} steps", flush=True)
-    dist.barrier()  # every rank is past its last step before the engines close
+    # Every peer has what this rank sent (drain) on every rank (barrier), while every engine
+    # still answers; then close.
+    state.drain()
+    dist.barrier()
     state.close()
     dist.destroy_process_group()
 

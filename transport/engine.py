@@ -247,6 +247,29 @@ class Engine:
             if thread.is_alive():
                 log.error("rank %d: engine thread did not stop", self.me)
 
+    def drain(self, timeout_s: float = 2.0) -> bool:
+        """Wait until peers have acknowledged what this rank sent them; True when nothing is owed.
+
+        A rank completes a collective once it has *received* everything; a peer may still lack
+        some of what this rank sent (a lost datagram, a lost ACK or STOP). That peer's engine
+        must be up to answer the resends. So at the end of a job call ``drain()`` on every rank,
+        then a barrier (``dist.barrier()``), then :meth:`close`: a rank that closed while a
+        peer still drained left that peer resending into silence until ``close``'s own bound
+        (2 s and a warning). Waits at most ``timeout_s``; collectives still in flight do not
+        count (their Futures are the caller's to wait on). Thread-safe; False on a closed engine
+        that still owed data.
+        """
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive() or self._stopping:
+            running = self._pending.keys()
+            return not any(
+                (k.step, k.bucket) not in running for k in self._core.endpoint.sender.transfers
+            )
+        if threading.current_thread() is thread:
+            raise RuntimeError("Engine.drain() waits on the engine's loop: not from its thread")
+        fut = asyncio.run_coroutine_threadsafe(self._drain(timeout_s), loop)
+        return bool(fut.result(max(timeout_s, 0.0) + CONTROL_TIMEOUT_S))
+
     def __enter__(self) -> Engine:
         if self._thread is None:
             self.start()
@@ -350,23 +373,29 @@ class Engine:
                 f"engine closed while rank {self.me} was all-reducing step {step} bucket {bucket}"
             )
         )
-        # Drain: serve (timers, ACKs, retransmissions) until every outgoing transfer of a
-        # completed collective is acknowledged or stopped, or the bound passes.
-        sender = self._core.endpoint.sender
-        deadline = time.monotonic() + max(drain_s, 0.0)
-
-        def owed() -> bool:
-            return any((k.step, k.bucket) not in aborted for k in sender.transfers)
-
-        while owed() and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-        if owed():
+        if not await self._drain(drain_s, aborted):
             log.warning("rank %d: closing with unacknowledged data after %.1fs", self.me, drain_s)
         self._io_done = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         await self._udp.wait_closed()
+
+    async def _drain(self, timeout_s: float, skip: set[tuple[int, int]] | None = None) -> bool:
+        """Serve (timers, ACKs, retransmissions: the loop runs while this waits) until every
+        outgoing transfer of a collective not in ``skip`` (None: of every completed one) is
+        acknowledged or stopped by its receiver, or ``timeout_s`` passes; True when none is
+        left."""
+        sender = self._core.endpoint.sender
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+
+        def owed() -> bool:
+            running = self._pending.keys() if skip is None else skip
+            return any((k.step, k.bucket) not in running for k in sender.transfers)
+
+        while owed() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return not owed()
 
     def _start(
         self,

@@ -303,6 +303,12 @@ class ZmqDataPlane:
         self._wake()
         return fut
 
+    def drain(self, timeout_s: float = 2.0) -> bool:
+        """Nothing to wait for: ZeroMQ delivers (and resends) queued frames itself, and a rank
+        completes a collective only once every peer's frames of it arrived. Always True (the
+        :meth:`transport.engine.Engine.drain` of the reliable plane)."""
+        return True
+
     def stats(self) -> dict[str, Any]:
         """Frame/byte counters and the endpoint's reject counters (thread-safe snapshot)."""
         return {"rank": self.me, **dict(self._n), "endpoint": dict(self._endpoint_stats)}

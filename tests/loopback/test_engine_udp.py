@@ -348,6 +348,49 @@ def test_close_mid_collective_fails_the_future(cluster: MakeCluster):
         late.result(WAIT_S)
 
 
+@pytest.mark.timeout(120)
+def test_drain_then_close_leaves_nothing_owed(cluster: MakeCluster, caplog):
+    """Under loss a rank ends its last collective owing peers what they still miss (a lost
+    datagram, a lost ACK or STOP). ``drain`` on every rank while all still answer, then close:
+    nothing is owed and no close has to wait or warn."""
+    cfg = TransportConfig(n_paths=2, chunk_bytes=8192, pacing=PACING, inject_loss=0.2, seed=3)
+    engines = cluster(2, cfg)
+    rng = np.random.default_rng(0)
+    for step in range(1, 6):
+        data = [rng.standard_normal(50_000).astype(np.float32) for _ in engines]
+        got = allreduce(engines, step, data)
+        np.testing.assert_array_equal(got[0][0], data[0] + data[1])
+    assert all(e.drain(WAIT_S) for e in engines)
+    assert not any(e._core.endpoint.sender.transfers for e in engines)
+    with caplog.at_level("WARNING", logger="transport.engine"):
+        t0 = time.monotonic()
+        for e in engines:
+            e.close()
+    assert "unacknowledged" not in caplog.text
+    assert time.monotonic() - t0 < 2.0  # neither close waited out its drain bound
+    assert all(e.drain(0.0) for e in engines)  # closed: nothing left to owe
+
+
+@pytest.mark.timeout(60)
+def test_drain_on_the_loop_thread_is_refused(cluster: MakeCluster):
+    e0, e1 = cluster(2)
+    data = [np.arange(1000, dtype=np.float32)] * 2
+    seen: list[BaseException] = []
+
+    def on_done(_: object) -> None:  # runs on e0's loop thread
+        try:
+            e0.drain(0.1)
+        except RuntimeError as err:
+            seen.append(err)
+
+    f0 = e0.submit(1, 0, data[0])
+    f0.add_done_callback(on_done)
+    e1.submit(1, 0, data[1])
+    f0.result(WAIT_S)
+    assert e0.drain(WAIT_S)  # from this thread it waits
+    assert seen and "not from its thread" in str(seen[0])
+
+
 @pytest.mark.timeout(60)
 def test_close_from_a_done_callback_does_not_deadlock(cluster: MakeCluster):
     e0, e1 = cluster(2)
