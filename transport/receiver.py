@@ -51,7 +51,7 @@ import numpy as np
 
 from scheduling.loss import Decision, LossPolicy
 from transport import kernels
-from transport._kernels_batch import note_arrivals
+from transport._kernels_batch import note_arrivals, pass_end_gaps
 from transport.config import TransportConfig
 from transport.errors import PeerTimeout
 from transport.events import Datagram, Event, LossReport, PeerTimedOut, TransferComplete
@@ -540,18 +540,19 @@ class ReceiverCore:
         if t.key in self._drain_wait:  # past the NACK deadline: the next drain re-checks
             t.check_at = hard
         if t.key in self._pass_ended:
-            gap = self._read_to_pass_end(t, (t.received[t.rows] != 0).all(axis=1))
-            if gap.any():
-                when = float(t.pass_end[t.rows][gap].min()) + self.config.reorder_window_s
+            first = self._read_to_pass_end(t, np.empty(t.rows.shape[0], dtype=bool))
+            if first < np.inf:
+                when = first + self.config.reorder_window_s
                 t.check_at = min(t.check_at, max(when, t.nack_at + self._nack_interval(t)))
 
-    def _read_to_pass_end(self, t: InTransfer, complete_rows: np.ndarray) -> np.ndarray:
-        """Per sender of ``t`` (over ``t.rows``): its first pass ended, a drain began after
-        that and after its newest arrival, and it still lacks chunks (not complete, no FIN) —
-        a gap that is loss once the reorder window has passed (the theory of operation)."""
-        ended = t.pass_end[t.rows]
-        ready = self.drained_at >= np.maximum(ended, t.trigger_at[t.rows])
-        return ready & np.isfinite(ended) & ~complete_rows & ~t.fin[t.rows]
+    def _read_to_pass_end(self, t: InTransfer, gap: np.ndarray) -> float:
+        """Per sender of ``t`` (over ``t.rows``), into ``gap``: its first pass ended, a drain
+        began after that and after its newest arrival, and it still lacks chunks (not complete,
+        no FIN) — a gap that is loss once the reorder window has passed (the theory of
+        operation). Returns the earliest pass end among them (``inf``: none)."""
+        return float(
+            pass_end_gaps(t.received, t.rows, t.pass_end, t.trigger_at, t.fin, self.drained_at, gap)
+        )
 
     def _nack_interval(self, t: InTransfer) -> float:
         base = max(self.config.min_rto_s, 4 * self.config.ack_delay_s)
@@ -594,7 +595,8 @@ class ReceiverCore:
         got = t.received[rows] != 0
         # A sender is settled when everything arrived, or it sent FIN and the rest arrived.
         complete_rows = got.all(axis=1)
-        lacking = self._read_to_pass_end(t, complete_rows)
+        lacking = np.empty(rows.shape[0], dtype=bool)
+        self._read_to_pass_end(t, lacking)
         lacking &= t.pass_end[rows] + self.config.reorder_window_s <= now
         gaps = self._settle_passes(t, got, lacking.nonzero()[0], budget) if lacking.any() else None
         settled_rows = complete_rows | (t.fin[rows] & (got | t.abandoned[rows]).all(axis=1))

@@ -34,6 +34,7 @@ import numpy as np
 from scheduling.loss import LossConfig, LossPolicy
 from scheduling.pacing import PacingConfig
 from transport import _mmsg, kernels, zmq_batch
+from transport._kernels_batch import pass_end_gaps
 from transport.allreduce import TransposeAllReduce
 from transport.config import TransportConfig
 from transport.events import AllReduceComplete, AllReduceFailed, flat
@@ -142,16 +143,21 @@ def _warm_all_reduce() -> None:
         (DType.BF16, np.arange(2000, dtype=np.uint16)),
     ):
         _warm_exchange(cfg, dtype, data)
-    _warm_loss_decision()
+    _warm_receiver_checks()
 
 
-def _warm_loss_decision() -> None:
-    # The receiver's compiled loss decision runs only past a soft deadline (0.5 s before any
-    # history), which the exchange's clock never reaches: call it as the receiver does, before
-    # the deadline (every missing chunk) and after it (the budget's share).
+def _warm_receiver_checks() -> None:
+    # Receiver checks the exchange does not reach: the compiled loss decision runs only past a
+    # soft deadline (0.5 s before any history), which its clock never reaches, and the pass-end
+    # gaps only once a first pass's last datagram came (the exchange loses it). Called as the
+    # receiver calls them: the loss decision before the deadline (every missing chunk) and
+    # after it (the budget's share).
     policy = LossPolicy(LossConfig(loss_bound=0.1))
     received = np.zeros((2, 3), dtype=np.uint8)
     received[0, 0] = 1
+    times = np.zeros(2, dtype=np.float64)
+    gap = np.empty(2, dtype=bool)
+    pass_end_gaps(received, np.arange(2), times, times, np.zeros(2, dtype=bool), 0.0, gap)
     for now in (0.0, 1.0):
         policy.decide_rows(
             gather=False,

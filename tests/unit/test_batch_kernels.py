@@ -1,5 +1,5 @@
-"""The receive path's per-batch bookkeeping kernel (transport/_kernels_batch.note_arrivals)
-against the NumPy it replaced, on random batches."""
+"""The receive path's bookkeeping kernels (transport/_kernels_batch: note_arrivals, the pass-end
+gaps) against the NumPy they replaced, on random inputs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport._kernels_batch import note_arrivals
+from transport._kernels_batch import note_arrivals, pass_end_gaps
 from transport.packet import Flags, Reason
 
 _OK, _DUP = int(Reason.OK), int(Reason.DUPLICATE)
@@ -90,3 +90,35 @@ def test_note_arrivals_equals_the_numpy_it_replaced(items, due, ended, subset):
     assert tuple(got) == want
     for w, g in zip(want_state, got_state, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def gaps_reference(received, rows, pass_end, trigger_at, fin, drained_at):
+    """receiver._read_to_pass_end and _refresh_check's earliest gap as written in NumPy."""
+    complete_rows = (received[rows] != 0).all(axis=1)
+    ended = pass_end[rows]
+    ready = drained_at >= np.maximum(ended, trigger_at[rows])
+    gap = ready & np.isfinite(ended) & ~complete_rows & ~fin[rows]
+    first = float(pass_end[rows][gap].min()) if gap.any() else np.inf
+    return gap, first
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(
+    st.integers(0, 6),
+    st.integers(0, 12),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([-np.inf, 0.0, 0.5, 1.0, 2.0, np.inf]),
+)
+def test_pass_end_gaps_equal_the_numpy_they_replaced(n_src, n, seed, drained_at):
+    rng = np.random.default_rng(seed)
+    received = (rng.random((n_src, n)) < 0.8).astype(np.uint8)
+    rows = rng.permutation(n_src)[: rng.integers(0, n_src + 1)].astype(np.int64)
+    times = np.array([0.0, 0.5, 1.0, 1.5, np.inf])
+    pass_end = rng.choice(times, n_src)
+    trigger_at = rng.choice(times[:-1], n_src)
+    fin = rng.random(n_src) < 0.2
+    want_gap, want_first = gaps_reference(received, rows, pass_end, trigger_at, fin, drained_at)
+    gap = np.empty(rows.shape[0], dtype=bool)
+    first = pass_end_gaps(received, rows, pass_end, trigger_at, fin, drained_at, gap)
+    np.testing.assert_array_equal(gap, want_gap)
+    assert first == want_first
