@@ -602,3 +602,42 @@ def probe_due(now: float, state: np.ndarray, next_probe: np.ndarray, interval_s:
             next_probe[p] = now + interval_s
             due |= 1 << p
     return due
+
+
+@njit(cache=True, nogil=True)
+def borrowed_rtos(
+    srtt: np.ndarray,
+    rttvar: np.ndarray,
+    initial_rto: float,
+    floor: float,
+    fallback_srtt: float,
+    fallback_rttvar: float,
+    minimum: float,
+) -> np.ndarray:
+    """Per path ``srtt + 4·rttvar`` (``initial_rto`` before a sample), at least ``floor``; a
+    path with no sample borrows the largest RTO of the sampled ones, and with none sampled
+    every path takes ``fallback_srtt + 4·fallback_rttvar`` unless that is NaN; then at least
+    ``minimum``. :meth:`PathSet.rtos` and ``PeerPaths.rtos``'s NumPy in one pass: a sender asks
+    once per peer and tick, and for every control repeat."""
+    n = srtt.shape[0]
+    out = np.empty(n, dtype=np.float64)
+    n_sampled = 0
+    best = -np.inf
+    for p in range(n):
+        r = srtt[p] + 4.0 * rttvar[p]
+        if math.isnan(r):
+            r = initial_rto
+        out[p] = max(r, floor)
+        if not math.isnan(srtt[p]):
+            n_sampled += 1
+            best = max(best, out[p])
+    if 0 < n_sampled < n:
+        for p in range(n):
+            if math.isnan(srtt[p]):
+                out[p] = best
+    elif n_sampled == 0 and not math.isnan(fallback_srtt):
+        for p in range(n):
+            out[p] = fallback_srtt + 4.0 * fallback_rttvar
+    for p in range(n):
+        out[p] = max(out[p], minimum)
+    return out

@@ -183,11 +183,13 @@ class LossPolicy:
     def __init__(self, config: LossConfig | None = None) -> None:
         self.config = config if config is not None else LossConfig()
         # Per phase (index 0 = reduce, 1 = gather): smoothed duration and mean deviation;
-        # NaN until the first clean completion.
-        self._srtt = np.full(2, np.nan)
-        self._rttvar = np.full(2, np.nan)
+        # NaN until the first clean completion. Python floats, not NumPy arrays: receivers ask
+        # for their deadlines ~75 times per rank and lossy collective, and NumPy scalar
+        # arithmetic made each ask ~3x slower (the same IEEE doubles either way).
+        self._srtt = [math.nan, math.nan]
+        self._rttvar = [math.nan, math.nan]
         # Per phase: smoothed size (elements) of the transfers those durations come from.
-        self._mean_elems = np.full(2, np.nan)
+        self._mean_elems = [math.nan, math.nan]
         # budget_elems per (gather, expected elements): every transfer start and receiver check
         # asks, for the few sizes a job's buckets have (kept bounded by _BUDGETS_KEPT).
         self._budgets: dict[tuple[bool, int], int] = {}

@@ -50,6 +50,7 @@ from scheduling._path_kernels import (
     ack_update,
     assign_plan,
     assign_spread,
+    borrowed_rtos,
     lossy_paths,
     probe_due,
     sent_update,
@@ -245,6 +246,18 @@ class PathSet:
         rto = self._srtt + 4.0 * self._rttvar
         rto = np.where(np.isnan(rto), self.config.initial_rto_s, rto)
         return np.maximum(rto, _RTO_FLOOR_S)
+
+    def borrowed_rtos(
+        self, fallback_srtt: float, fallback_rttvar: float, minimum: float
+    ) -> np.ndarray:
+        """:meth:`rtos`, where a path with no RTT sample yet borrows the largest RTO of the
+        sampled paths, or, with none sampled, every path takes ``fallback_srtt + 4 ×
+        fallback_rttvar`` (an estimate over other peers; NaN: none); at least ``minimum``.
+        The initial RTO is for a peer nothing is known about. One compiled pass."""
+        return borrowed_rtos(
+            self._srtt, self._rttvar, self.config.initial_rto_s, _RTO_FLOOR_S,
+            fallback_srtt, fallback_rttvar, minimum,
+        )  # fmt: skip
 
     def snapshot(self) -> dict[str, list[float | None] | list[str]]:
         """Per-path statistics for reports: JSON-friendly lists, one entry per path.

@@ -55,14 +55,9 @@ class PeerPaths:
     def rtos(self, peer: int) -> np.ndarray:
         """Per-path RTO toward ``peer``; a path with no RTT sample yet borrows the largest RTO
         of the peer's sampled paths (the initial RTO is for a peer we know nothing about)."""
-        ps = self.sets[peer]
-        rtos = ps.rtos()
-        sampled = ps.sampled()
-        if sampled.any() and not sampled.all():
-            rtos = np.where(sampled, rtos, rtos[sampled].max())
-        elif not sampled.any() and not np.isnan(self._srtt):
-            rtos = np.full(self.n_paths, self._srtt + 4.0 * self._rttvar)
-        return np.maximum(rtos, self.config.min_rto_s)
+        return self.sets[peer].borrowed_rtos(
+            float(self._srtt), float(self._rttvar), self.config.min_rto_s
+        )
 
     def rtt_sample(self, rtt: float) -> None:
         """One clean RTT sample (any peer) for the estimate over every peer."""

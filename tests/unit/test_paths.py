@@ -716,3 +716,33 @@ def test_next_due_is_when_tick_or_a_probe_first_acts(paths) -> None:
             assert acts(0.0, probes)
         else:
             assert acts(when, probes) and not acts(np.nextafter(when, -np.inf), probes)
+
+
+def _borrowed_rtos_numpy(ps: PathSet, fb_srtt: float, fb_var: float, minimum: float) -> np.ndarray:
+    """PeerPaths.rtos as it was written in NumPy, on PathSet.rtos and sampled."""
+    rtos = ps.rtos()
+    sampled = ps.sampled()
+    if sampled.any() and not sampled.all():
+        rtos = np.where(sampled, rtos, rtos[sampled].max())
+    elif not sampled.any() and not np.isnan(fb_srtt):
+        rtos = np.full(rtos.shape[0], fb_srtt + 4.0 * fb_var)
+    return np.maximum(rtos, minimum)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([np.nan, 0.0005, 0.004]),
+    st.sampled_from([0.0, 0.002, 0.01]),
+)
+def test_borrowed_rtos_equal_the_numpy_they_replaced(n, seed, fb_srtt, minimum):
+    rng = np.random.default_rng(seed)
+    ps = PathSet(n, PathConfig(), np.random.default_rng(0))
+    ps._srtt = np.where(rng.random(n) < 0.5, np.nan, rng.uniform(0.0, 0.01, n))
+    ps._rttvar = np.where(np.isnan(ps._srtt), np.nan, rng.uniform(0.0, 0.005, n))
+    fb_var = fb_srtt / 2.0
+    np.testing.assert_array_equal(
+        ps.borrowed_rtos(fb_srtt, fb_var, minimum),
+        _borrowed_rtos_numpy(ps, fb_srtt, fb_var, minimum),
+    )
