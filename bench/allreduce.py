@@ -103,7 +103,12 @@ def _free_port(host: str = "127.0.0.1", kind: int = socket.SOCK_STREAM) -> int:
 
 # -- rank process ----------------------------------------------------------------------------------
 def _udp_config(
-    loss_bound: float, chunk_bytes: int = 65000, gso: bool = True, gro: bool = True
+    loss_bound: float,
+    chunk_bytes: int = 65000,
+    gso: bool = True,
+    gro: bool = True,
+    inject_loss: float = 0.0,
+    seed: int = 0,
 ) -> Any:
     from scheduling.loss import LossConfig
     from transport.config import loopback_config
@@ -113,6 +118,8 @@ def _udp_config(
         chunk_bytes=chunk_bytes,
         udp_gso=gso,
         udp_gro=gro,
+        inject_loss=inject_loss,
+        seed=seed,
         loss=LossConfig(
             loss_bound=loss_bound,
             hard_deadline_s=HARD_DEADLINE_S,
@@ -140,9 +147,12 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
         if args["offload_compare"]:
             kinds += [(name, 0.0, *flags) for name, flags in OFFLOAD_VARIANTS.items()]
         if not args["daemon"]:
-            kinds.append(("udp_bounded", 0.02, True, True))
+            kinds.append(("udp_bounded", args["loss_bound"], True, True))
         for name, bound, gso, gro in kinds:
-            e = Engine(rank, world, _udp_config(bound, args["chunk_bytes"], gso, gro))
+            cfg = _udp_config(
+                bound, args["chunk_bytes"], gso, gro, args["inject_loss"], args["seed"]
+            )
+            e = Engine(rank, world, cfg)
             closers.append(e)
             store.set(f"gl/{name}/{rank}", json.dumps(e.start()))
             engines[name] = e
@@ -549,6 +559,16 @@ def main(argv: list[str] | None = None) -> int:
         help="also run a ZeroMQ plane sending one packet per frame (zmq_unbatched), interleaved",
     )
     ap.add_argument(
+        "--inject-loss",
+        type=float,
+        default=0.0,
+        help="the UDP engines drop this fraction of the datagrams they receive (seeded by "
+        "--seed and the rank; gloo and ZeroMQ stay lossless): loss recovery's cost",
+    )
+    ap.add_argument(
+        "--loss-bound", type=float, default=0.02, help="udp_bounded's loss bound (default 0.02)"
+    )
+    ap.add_argument(
         "--daemon",
         action="store_true",
         help="daemon mode (2 hosts x ranks/2) against the embedded engine; default --ranks 4",
@@ -567,11 +587,12 @@ def main(argv: list[str] | None = None) -> int:
     from transport.errors import ConfigError
 
     try:  # the config's own check, here rather than in every rank process
-        _udp_config(0.0, ns.chunk_bytes)
+        _udp_config(ns.loss_bound, ns.chunk_bytes, inject_loss=ns.inject_loss)
     except ConfigError as e:
-        ap.error(f"--chunk-bytes: {e}")
+        ap.error(f"--chunk-bytes, --loss-bound or --inject-loss: {e}")
     args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,
             "zmq": not ns.no_zmq, "daemon": ns.daemon, "chunk_bytes": ns.chunk_bytes,
+            "inject_loss": ns.inject_loss, "loss_bound": ns.loss_bound,
             "offload_compare": ns.offload_compare,
             "zmq_batch_compare": ns.zmq_batch_compare and not ns.no_zmq}  # fmt: skip
     per_world: dict[int, dict[str, Any]] = {}

@@ -74,3 +74,19 @@ def test_allreduce_benchmark_compares_zmq_batch_frames_with_one_packet_per_frame
         assert rows[t]["check"]["delivered_fraction_min_rank"] == 1.0
     ratio = doc["summary"]["zmq_unbatched_vs_zmq"]
     assert set(ratio) == {"2x1"} and ratio["2x1"] == rows["zmq_unbatched"]["ratio_to_batched"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_allreduce_benchmark_with_injected_loss(tmp_path):
+    """``--inject-loss``: the UDP engines drop received datagrams, recover them (reliable:
+    still gloo's sum exactly) and report what the bounded one gave up; the config says so."""
+    path = tmp_path / "ar.json"
+    args = ["--ranks", "2", "--sizes", "0.1", "--reps", "3", "--no-zmq", "--chunk-bytes", "4096",
+            "--inject-loss", "0.1", "--loss-bound", "0.05", "--json", str(path)]  # fmt: skip
+    assert allreduce.main(args) == 0
+    doc = json.loads(path.read_text())
+    assert doc["config"]["inject_loss"] == 0.1 and doc["config"]["loss_bound"] == 0.05
+    rows = {r["transport"]: r for r in doc["rows"]}
+    assert rows["udp_reliable"]["check"]["ok_all_ranks"]
+    assert rows["udp_reliable"]["check"]["delivered_fraction_min_rank"] == 1.0
+    assert rows["udp_bounded"]["check"]["delivered_fraction_min_rank"] >= 0.95
