@@ -261,10 +261,11 @@ class Engine:
         """
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive() or self._stopping:
+            # Not serving (or closing, whose own drain runs): say what is owed. list() copies
+            # the keys in one step under the GIL, so a closing loop cannot change them midway.
             running = self._pending.keys()
-            return not any(
-                (k.step, k.bucket) not in running for k in self._core.endpoint.sender.transfers
-            )
+            owed = list(self._core.endpoint.sender.transfers)
+            return not any((k.step, k.bucket) not in running for k in owed)
         if threading.current_thread() is thread:
             raise RuntimeError("Engine.drain() waits on the engine's loop: not from its thread")
         fut = asyncio.run_coroutine_threadsafe(self._drain(timeout_s), loop)
