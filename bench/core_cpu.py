@@ -144,6 +144,19 @@ def run_one(
                 prof.disable()
             spent[r] += clock() - t0
 
+    def untimed(r: int, fn: Any, *a: Any) -> Any:
+        return fn(*a)
+
+    def serve(r: int, now: float, call: Any) -> list[Any]:
+        """One service pass of rank ``r`` as the engine makes it (input, timer, output), each
+        call made through ``call`` (``timed`` or ``untimed``); the events it produced."""
+        _deliver(eps, queues, r, now)
+        when = eps[r].get_timer()
+        if when is not None and when <= now:
+            call(r, eps[r].handle_timer, now)
+        _route(call(r, eps[r].datagrams_to_send, now), queues, lose)
+        return list(iter(lambda: call(r, eps[r].next_event), None))
+
     for rep in range(reps + 2):  # two untimed warm-up collectives
         spent = [0.0] * world
         prof = profile if rep >= 2 else None  # the warm-up loads numba's cached kernels
@@ -164,13 +177,8 @@ def run_one(
             # timers see about the time the work would take.
             before = list(spent)
             for r in range(world):
-                _deliver(eps, queues, r, now)
-                when = eps[r].get_timer()
-                if when is not None and when <= now:
-                    timed(r, eps[r].handle_timer, now)
-                _route(timed(r, eps[r].datagrams_to_send, now), queues, lose)
                 passes += 1
-                while (ev := timed(r, eps[r].next_event)) is not None:
+                for ev in serve(r, now, timed):
                     if isinstance(ev, AllReduceFailed):
                         raise RuntimeError(f"rank {r}: {ev}")
                     if isinstance(ev, AllReduceComplete):
@@ -186,13 +194,7 @@ def run_one(
                 break
             now += tick_s
             for r in range(world):
-                _deliver(eps, queues, r, now)
-                when = eps[r].get_timer()
-                if when is not None and when <= now:
-                    eps[r].handle_timer(now)
-                _route(eps[r].datagrams_to_send(now), queues, lose)
-                while eps[r].next_event() is not None:
-                    pass
+                serve(r, now, untimed)
         expect = np.sum(datas, axis=0, dtype=np.float64)
         for r in range(world):
             if loss_bound == 0.0:

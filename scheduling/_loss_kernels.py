@@ -7,8 +7,9 @@ operations: ~300 µs for three senders of 21 chunks on this project's 2-core mac
 times per lossy collective and rank, where the numbers are a few dozen. These kernels compute
 the same per-sender sums and the same ordered ``need`` rows in one pass each (a few µs).
 
-The arithmetic is that of ``_Flat`` exactly (integer sums, the same ordering keys), and the
-tests hold :meth:`LossPolicy.decide_rows` to :meth:`LossPolicy.decide` on random inputs.
+The arithmetic is that of ``_Flat`` exactly (integer sums, the same order), for a receiver that
+knows no classes (its chunks all rank as the unknown class), and the tests hold
+:meth:`LossPolicy.decide_rows` to :meth:`LossPolicy.decide` on random inputs.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ def need_rows(
     counts: np.ndarray,
     protected: np.ndarray,
     known: np.ndarray,
-    prio: np.ndarray,
     budget: int,
     every: bool,
 ) -> np.ndarray:
@@ -66,67 +66,41 @@ def need_rows(
 
     ``every``: every missing chunk. Otherwise ``_Flat.needed``: every missing protected chunk,
     every missing chunk of a sender whose set is unknown, and per known sender the shortest
-    prefix of its other missing chunks, by (class, chunk), whose recovery brings its missing
-    elements within ``budget`` once the protected ones came. Order (``_Flat.need``): protected
-    first, then class, chunk, sender. ``prio`` is (senders, chunks), or empty: class 0 (unknown).
+    prefix of its other missing chunks, in chunk order, whose recovery brings its missing
+    elements within ``budget`` once the protected ones came. Order (``_Flat.need`` with every
+    class unknown): protected (known) first, then chunk, then sender — two scans in that
+    order, no sort.
     """
     n_src, n = received.shape
-    has_prio = prio.shape[0] > 0
     take = np.zeros((n_src, n), dtype=np.bool_)
-    cand = np.empty(n, dtype=np.int64)
-    keys = np.empty(n, dtype=np.int64)
+    m = 0
     for s in range(n_src):
-        if every:
-            for c in range(n):
-                take[s, c] = not received[s, c]
-            continue
         excess = np.int64(-budget)
-        k = 0
         for c in range(n):
             if received[s, c]:
                 continue
-            if not known[s] or protected[s, c]:
+            if every or not known[s] or protected[s, c]:
                 take[s, c] = True
+                m += 1
             else:
                 excess += np.int64(counts[c])
-                cls = np.int64(prio[s, c]) if has_prio else np.int64(0)
-                cand[k] = c
-                keys[k] = cls * n + c
-                k += 1
-        if not known[s] or excess <= 0:
+        if every or not known[s] or excess <= 0:
             continue
-        order = np.argsort(keys[:k])
         before = np.int64(0)
-        for i in range(k):
-            c = cand[order[i]]
+        for c in range(n):
             if before >= excess:
                 break
-            take[s, c] = True
-            before += np.int64(counts[c])
-    # Order: protected (known) first, then class, chunk, sender; one int64 key per row.
-    top = np.int64(0)
-    m = 0
-    for s in range(n_src):
-        for c in range(n):
-            if take[s, c]:
+            if not received[s, c] and not protected[s, c]:
+                take[s, c] = True
                 m += 1
-                if has_prio and prio[s, c] > top:
-                    top = np.int64(prio[s, c])
-    idx = np.empty(m, dtype=np.int64)
-    key = np.empty(m, dtype=np.int64)
-    i = 0
-    for s in range(n_src):
-        for c in range(n):
-            if take[s, c]:
-                cls = np.int64(prio[s, c]) if has_prio else np.int64(0)
-                first = np.int64(0) if (known[s] and protected[s, c]) else np.int64(1)
-                key[i] = ((first * (top + 1) + cls) * n + c) * n_src + s
-                idx[i] = s * n + c
-                i += 1
-    order = np.argsort(key)
+                before += np.int64(counts[c])
     out = np.empty((m, 2), dtype=np.int64)
-    for j in range(m):
-        v = idx[order[j]]
-        out[j, 0] = v // n
-        out[j, 1] = v % n
+    i = 0
+    for first in (True, False):
+        for c in range(n):
+            for s in range(n_src):
+                if take[s, c] and (known[s] and protected[s, c]) == first:
+                    out[i, 0] = s
+                    out[i, 1] = c
+                    i += 1
     return out

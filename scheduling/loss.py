@@ -53,8 +53,6 @@ _HARD_DEADLINE_ACTIONS = ("degrade", "raise")
 # Class used to order the missing chunks of a sender whose classes the receiver does not know
 # yet: treat them as urgent, since asking for them early is also how the receiver learns them.
 _UNKNOWN_CLASS = 0
-#: ``prio`` for the loss kernels when no classes are known (every chunk _UNKNOWN_CLASS).
-_NO_PRIO = np.zeros((0, 0), dtype=np.int64)
 _NO_NEED = np.empty((0, 2), dtype=np.int64)
 _NO_NEED.flags.writeable = False
 
@@ -350,15 +348,14 @@ class LossPolicy:
         known: np.ndarray,
         started: float,
         now: float,
-        prio: np.ndarray | None = None,
     ) -> Verdict:
         """:meth:`decide` for senders that all send the same chunks — a receiver's matrices.
 
         ``received`` and ``protected`` are (senders, chunks), nonzero/True where the chunk came
         or is protected; ``counts`` the elements of each chunk (>= 1); ``known`` per sender,
-        whether its protected set is known (its ``protected`` row is ignored otherwise);
-        ``prio`` (senders, chunks) classes >= 0, or None (unknown). Same verdict as
-        :meth:`decide` given the rows as lists, computed by compiled passes
+        whether its protected set is known (its ``protected`` row is ignored otherwise). Same
+        verdict as :meth:`decide` given the rows as lists and no classes (a receiver knows
+        none), computed by compiled passes
         (:mod:`scheduling._loss_kernels`) instead of ~60 NumPy calls: a lossy receiver asks
         several times per collective.
         """
@@ -369,12 +366,6 @@ class LossPolicy:
                 f"({n_src}, {n}) and ({n_src},); got {counts.shape}, {protected.shape}, "
                 f"{known.shape}"
             )
-        if prio is None:
-            classes = _NO_PRIO
-        else:
-            classes = np.asarray(prio, dtype=np.int64)
-            if classes.shape != (n_src, n) or (classes.size and classes.min() < 0):
-                raise ValueError(f"prio must be ({n_src}, {n}) classes >= 0")
         missing_elems, expected, frac, n_missing, blocked, worst = _lk.tally(
             received, counts, protected, known
         )
@@ -389,7 +380,7 @@ class LossPolicy:
         per_sender = int(expected[0])
         soft = self.soft_deadline(gather, per_sender * n_src)
         if elapsed < soft:
-            need = _lk.need_rows(received, counts, protected, known, classes, 0, True)
+            need = _lk.need_rows(received, counts, protected, known, 0, True)
             return verdict(Decision.CONTINUE, need, started + soft)
         # Every sender expects the same elements, so one budget serves all (remembered).
         budget = self.budget_elems(gather=gather, expected_elems=per_sender)
@@ -400,7 +391,7 @@ class LossPolicy:
                 Decision.COMPLETE_DEGRADED if cfg.on_hard_deadline == "degrade" else Decision.FAIL
             )
             return verdict(decision, _NO_NEED, math.inf)
-        need = _lk.need_rows(received, counts, protected, known, classes, budget, False)
+        need = _lk.need_rows(received, counts, protected, known, budget, False)
         return verdict(Decision.CONTINUE, need, started + cfg.hard_deadline_s)
 
 

@@ -261,11 +261,7 @@ class Engine:
         """
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive() or self._stopping:
-            # Not serving (or closing, whose own drain runs): say what is owed. list() copies
-            # the keys in one step under the GIL, so a closing loop cannot change them midway.
-            running = self._pending.keys()
-            owed = list(self._core.endpoint.sender.transfers)
-            return not any((k.step, k.bucket) not in running for k in owed)
+            return not self._owes()  # not serving (or closing, whose own drain runs)
         if threading.current_thread() is thread:
             raise RuntimeError("Engine.drain() waits on the engine's loop: not from its thread")
         fut = asyncio.run_coroutine_threadsafe(self._drain(timeout_s), loop)
@@ -387,16 +383,19 @@ class Engine:
         outgoing transfer of a collective not in ``skip`` (None: of every completed one) is
         acknowledged or stopped by its receiver, or ``timeout_s`` passes; True when none is
         left."""
-        sender = self._core.endpoint.sender
         deadline = time.monotonic() + max(timeout_s, 0.0)
-
-        def owed() -> bool:
-            running = self._pending.keys() if skip is None else skip
-            return any((k.step, k.bucket) not in running for k in sender.transfers)
-
-        while owed() and time.monotonic() < deadline:
+        while self._owes(skip) and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        return not owed()
+        return not self._owes(skip)
+
+    def _owes(self, skip: set[tuple[int, int]] | None = None) -> bool:
+        """Some outgoing transfer of a collective not in ``skip`` (None: of every completed
+        one) is neither acknowledged nor stopped. ``list()`` copies the keys in one step under
+        the GIL, so it may run off the loop thread while the loop changes them."""
+        running = self._pending.keys() if skip is None else skip
+        return any(
+            (k.step, k.bucket) not in running for k in list(self._core.endpoint.sender.transfers)
+        )
 
     def _start(
         self,

@@ -55,9 +55,7 @@ class PeerPaths:
     def rtos(self, peer: int) -> np.ndarray:
         """Per-path RTO toward ``peer``; a path with no RTT sample yet borrows the largest RTO
         of the peer's sampled paths (the initial RTO is for a peer we know nothing about)."""
-        return self.sets[peer].borrowed_rtos(
-            float(self._srtt), float(self._rttvar), self.config.min_rto_s
-        )
+        return self.sets[peer].borrowed_rtos(self._srtt, self._rttvar, self.config.min_rto_s)
 
     def rtt_sample(self, rtt: float) -> None:
         """One clean RTT sample (any peer) for the estimate over every peer."""

@@ -488,11 +488,9 @@ def test_reliable_phases_nack_later_than_the_soft_deadline():
 
 
 @st.composite
-def row_cases(
-    draw: st.DrawFn,
-) -> tuple[Case, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A uniform transfer (every sender the same chunks) as lists and as the receiver's matrices,
-    and classes for it."""
+def row_cases(draw: st.DrawFn) -> tuple[Case, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A uniform transfer (every sender the same chunks, no classes known) as lists and as the
+    receiver's matrices."""
     n_src = draw(st.integers(0, 5))
     n = draw(st.integers(0, 30))
     counts = np.array(draw(st.lists(st.integers(1, 50), min_size=n, max_size=n)), np.int64)
@@ -503,16 +501,13 @@ def row_cases(
         draw(st.lists(st.booleans(), min_size=n_src * n, max_size=n_src * n)), bool
     ).reshape(n_src, n)
     known = np.array(draw(st.lists(st.booleans(), min_size=n_src, max_size=n_src)), bool)
-    cls = np.array(
-        draw(st.lists(st.integers(0, 3), min_size=n_src * n, max_size=n_src * n)), np.int64
-    ).reshape(n_src, n)
     case = Case(
         received=list(rec),
         elems=[counts] * n_src,
         protected=[prot[s] if known[s] else None for s in range(n_src)],
         prio=[None] * n_src,
     )
-    return case, rec.astype(np.uint8), counts, prot, known, cls
+    return case, rec.astype(np.uint8), counts, prot, known
 
 
 @DETERMINISTIC
@@ -520,29 +515,24 @@ def row_cases(
     row_cases(),
     st.sampled_from([0.0, 0.05, 0.2, 0.5]),
     st.booleans(),
-    st.booleans(),
     st.sampled_from([0.0, 0.0015, 0.003, 0.5, 4.9, 5.0, 7.0]),
 )
 def test_decide_rows_matches_decide(
-    rows: tuple[Case, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    rows: tuple[Case, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     bound: float,
     gather: bool,
-    with_prio: bool,
     elapsed: float,
 ) -> None:
     """The compiled decision gives decide's verdict field for field: before and after the soft
-    deadline (learned: 2-3 ms here), at the hard deadline, with and without known classes."""
-    case, rec, counts, prot, known, classes = rows
-    cls = classes if with_prio else None
-    if cls is not None:
-        case.prio = list(cls)
+    deadline (learned: 2-3 ms here) and at the hard deadline."""
+    case, rec, counts, prot, known = rows
     policy = LossPolicy(LossConfig(loss_bound=bound, on_hard_deadline="degrade"))
     for d in (0.002, 0.003, 0.0025):
         policy.record(gather=gather, duration=d, clean=True)
     want = case.decide(policy, now=elapsed, gather=gather)
     got = policy.decide_rows(
         gather=gather, received=rec, counts=counts, protected=prot, known=known,
-        started=100.0, now=100.0 + elapsed, prio=cls,
+        started=100.0, now=100.0 + elapsed,
     )  # fmt: skip
     assert got.decision == want.decision
     np.testing.assert_array_equal(got.need, want.need.reshape(-1, 2))
@@ -565,5 +555,3 @@ def test_decide_rows_checks_shapes() -> None:
                       ("known", np.ones(3, bool)), ("counts", np.zeros(3, np.int64))):  # fmt: skip
         with pytest.raises(ValueError):
             policy.decide_rows(**{**good, name: bad})
-    with pytest.raises(ValueError, match="prio"):
-        policy.decide_rows(**good, prio=-np.ones((2, 3), np.int64))
