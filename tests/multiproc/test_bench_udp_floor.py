@@ -1,6 +1,7 @@
 """``python -m bench.udp_floor`` runs end to end and writes its summary.
 
-No timing is asserted: only that the protocol-free floor computed gloo's sum (so its time is
+No timing is asserted: only that both protocol-free floors (per-datagram calls, and batched
+``sendmmsg``/``recvmmsg`` with a compiled apply pass) computed gloo's sum (so its time is
 the time of a real all-reduce), that nothing was lost on loopback, and that the JSON has its
 summary.
 """
@@ -21,10 +22,12 @@ def test_udp_floor_benchmark_matches_gloo_and_writes_its_summary(tmp_path):
     assert udp_floor.main(args) == 0
     doc = json.loads(path.read_text())
     assert set(doc["summary"]["floor_vs_gloo"]) == {"2x1"}
+    assert set(doc["summary"]["floor_mmsg_vs_gloo"]) == {"2x1"}
     (row,) = doc["rows"]
     assert row["lost_reps"] == 0
     assert row["max_abs_err_vs_gloo"] < 1e-5  # float32 sums of two ranks, order may differ
     assert row["floor_median_s"] > 0 and row["gloo_median_s"] > 0
-    for t in ("gloo", "floor"):  # the CPU split: measured, and some of it spent
+    assert row["floor_mmsg_median_s"] > 0
+    for t in ("gloo", "floor", "floor_mmsg"):  # the CPU split: measured, and some of it spent
         user, sys_ = row[f"{t}_cpu_user_median_s"], row[f"{t}_cpu_sys_median_s"]
         assert user >= 0 and sys_ >= 0 and user + sys_ > 0
