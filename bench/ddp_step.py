@@ -12,7 +12,9 @@ buckets) once per variant from the same seed: DDP with no hook (its built-in glo
 and DDP with :func:`~integrations.ddp.gradlane_hook` over a *reliable* data plane (UDP engine
 with ``loopback_config()`` and loss bound 0: two loopback paths, 65000-byte chunks; and the
 ZeroMQ plane), plus DDP's no-op
-hook (no communication: the step's compute alone, for headroom). After warm-up steps
+hook (no communication: the step's compute alone, for headroom), and, with ``--transports
+udp,floor``, a hook over ``bench.udp_floor``'s batched protocol-free UDP all-reduce (what a UDP
+hook with no protocol at all would cost). After warm-up steps
 (DDP's bucket rebuild, first allocations), each measured step runs every variant once, the
 order rotating from step to step, each behind a barrier; a rank times forward + backward +
 optimizer step, and the step time is the slowest rank's (a gloo MAX all-reduce of the times).
@@ -45,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-VARIANTS = ("default", "udp", "zmq")
+VARIANTS = ("default", "udp", "zmq", "floor")
 #: Not a transport: DDP's no-op hook (no communication at all), the compute-only headroom.
 NOOP = "noop"
 N_PATHS = 2
@@ -91,6 +93,7 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     from bench.ddp_models import big_mlp
+    from bench.udp_floor import FloorHook, floor_hook
     from integrations.ddp import GradlaneState, HookConfig, gradlane_hook
     from scheduling.loss import LossConfig
     from transport.config import loopback_config
@@ -98,6 +101,7 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
     variants = ["default", *args["transports"], NOOP]
     models, ddps, opts, states = {}, {}, {}, {}
+    floor: FloorHook | None = None
     try:
         for v in variants:
             torch.manual_seed(args["seed"])
@@ -110,6 +114,13 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 )
             elif v == "zmq":
                 cfg = zmq_config(n_paths=N_PATHS)
+            elif v == "floor":
+                floor = FloorHook(rank, world)
+                ports: list[Any] = [None] * world
+                dist.all_gather_object(ports, floor.port)
+                floor.start(ports)
+                ddps[v].register_comm_hook(floor, floor_hook)
+                continue
             else:
                 if v == NOOP:
                     ddps[v].register_comm_hook(None, noop_hook)
@@ -168,6 +179,8 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     finally:
         for state in states.values():
             state.close()
+        if floor is not None:
+            floor.close()
     return {
         "times": times,
         "cpu": cpu,
@@ -277,7 +290,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [head, "-" * len(head)]
     names = {"default": "default (gloo)", "udp": "gradlane udp", "zmq": "gradlane zmq",
-             NOOP: "no-op (no comm)"}  # fmt: skip
+             "floor": "udp floor (bench)", NOOP: "no-op (no comm)"}  # fmt: skip
     for r in rows:
         comm, eng = r["hook_comm_p50_s"], r.get("engine_per_step")
         eng_ms = "" if eng is None else f"{eng['cpu_s'] * 1e3:.1f}"
@@ -301,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured first steps (default 3)")
     ap.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     ap.add_argument(
-        "--transports", default="udp,zmq", help="gradlane data planes (default udp,zmq)"
+        "--transports",
+        default="udp,zmq",
+        help="gradlane data planes (default udp,zmq); floor adds bench.udp_floor's "
+        "protocol-free UDP hook",
     )
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per rank count")
@@ -312,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.steps < 1 or ns.warmup < 2 or any(r < 2 for r in ranks):
         ap.error("need --steps >= 1, --warmup >= 2 (DDP rebuilds its buckets) and ranks >= 2")
     if "udp" not in transports or set(transports) - set(VARIANTS[1:]):
-        ap.error("--transports: udp (the summary's), optionally zmq")
+        ap.error("--transports: udp (the summary's), optionally zmq and floor")
     args = {"steps": ns.steps, "warmup": ns.warmup, "batch": ns.batch, "seed": ns.seed,
             "transports": transports, "timeout": ns.timeout}  # fmt: skip
     per_world: dict[int, dict[str, Any]] = {}

@@ -118,15 +118,36 @@ BATCH_SEND = 16  # datagrams per sendmmsg call (destinations alternate call by c
 BATCH_RECV = 64  # datagrams per recvmmsg call
 
 
-@njit(cache=True)
+def floor_socket() -> socket.socket:
+    """A non-blocking UDP socket on 127.0.0.1 with 64 MiB buffers (forced past ``rmem_max``
+    when permitted, like gradlane's loopback preset)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for opt, force in ((socket.SO_RCVBUF, 33), (socket.SO_SNDBUF, 32)):
+        sock.setsockopt(socket.SOL_SOCKET, opt, 64 * MB)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, force, 64 * MB)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return sock
+
+
+@njit(cache=True, nogil=True)
 def _apply_rows(
     words: np.ndarray, floats: np.ndarray, lengths: np.ndarray, buf: np.ndarray, rep: int,
-    got: np.ndarray,
-) -> None:  # fmt: skip
+    got: np.ndarray, early: np.ndarray,
+) -> int:  # fmt: skip
     """Add (phase 0) or copy (phase 1) each received row's payload into ``buf``; rows of
-    another repetition or with a wrong length are skipped. ``got`` counts rows per phase."""
+    another repetition or with a wrong length are skipped. ``got`` counts rows per phase.
+    Rows of repetition ``rep + 1`` (a peer already on the next bucket) are marked in ``early``
+    and counted in the return value: the caller keeps them for that repetition."""
+    n_early = 0
     for i in range(lengths.shape[0]):
+        early[i] = False
         off, cnt, phase = np.int64(words[i, 2]), np.int64(words[i, 3]), np.int64(words[i, 1])
+        if np.int64(words[i, 0]) == rep + 1:
+            early[i] = True
+            n_early += 1
+            continue
         if words[i, 0] != rep or lengths[i] != HDR_BYTES + 4 * cnt or phase > 1:
             continue
         if off < 0 or off + cnt > buf.shape[0]:
@@ -140,6 +161,7 @@ def _apply_rows(
             for j in range(cnt):
                 dst[j] = src[j]
         got[phase] += 1
+    return n_early
 
 
 class _MmsgFloor:
@@ -163,6 +185,7 @@ class _MmsgFloor:
         self.controls = np.array([(c.ctypes.data, c.shape[0]) for c in tos], dtype=np.uint64)
         self.batch = _mmsg.SendBatch(self.world)
         self.got = np.zeros(2, dtype=np.int64)
+        self.early = np.zeros(BATCH_RECV, dtype=np.bool_)
 
     def _lay_out(self, phase: int, rep: int, buf: np.ndarray) -> np.ndarray:
         """Every datagram of ``phase`` in the send table; returns the rows per peer."""
@@ -191,8 +214,14 @@ class _MmsgFloor:
             at += k
         return self.batch.fill.copy()
 
-    def exchange(self, buf: np.ndarray, rep: int) -> bool:
-        """One all-reduce of ``buf`` in place; False if a datagram never came (timed out)."""
+    def exchange(
+        self, buf: np.ndarray, rep: int, stash: dict[int, list[np.ndarray]] | None = None
+    ) -> bool:
+        """One all-reduce of ``buf`` in place; False if a datagram never came (timed out).
+
+        ``stash``: datagrams of the next repetition that came during this one are kept there
+        (and this repetition's are taken from it first). Callers that separate repetitions
+        with a barrier need none; a DDP hook, whose buckets follow each other, does."""
         b, me, el, fd = self.bounds, self.me, self.el, self.sock.fileno()
         peers = [j for j in range(self.world) if j != me]
         need = [
@@ -200,6 +229,12 @@ class _MmsgFloor:
             sum(-(-(int(b[j + 1]) - int(b[j])) // el) for j in peers),
         ]
         self.got[:] = 0
+        for row in stash.pop(rep, []) if stash is not None else []:
+            self.rows[0, : row.shape[0]] = row
+            _apply_rows(
+                self.words[:1], self.floats[:1], np.array([row.shape[0]]), buf, rep, self.got,
+                self.early,
+            )  # fmt: skip
         for phase in (0, 1):
             fill = self._lay_out(phase, rep, buf)
             pos = np.zeros(self.world, dtype=np.int64)
@@ -216,13 +251,98 @@ class _MmsgFloor:
                     lengths, err = self.table.receive(fd, 0, BATCH_RECV)
                     if err or lengths.shape[0] == 0:
                         break
-                    _apply_rows(self.words, self.floats, lengths, buf, rep, self.got)
+                    k = lengths.shape[0]
+                    early = _apply_rows(
+                        self.words, self.floats, lengths, buf, rep, self.got, self.early
+                    )
+                    if early and stash is not None:
+                        keep = stash.setdefault(rep + 1, [])
+                        keep += [
+                            self.rows[i, : lengths[i]].copy() for i in range(k) if self.early[i]
+                        ]
                     moved = True
                 if not moved:
                     if time.monotonic() > deadline:
                         return False
                     select.select([self.sock], [], [], 0.05)
         return True
+
+
+class FloorHook:
+    """A DDP communication hook over the batched floor: how fast a UDP hook with no protocol at
+    all could train here (``bench.ddp_step --transports udp,floor``).
+
+    ``floor_hook(state, bucket)`` hands the bucket to this state's worker thread and returns a
+    Future, as gradlane's hook does; the thread all-reduces it with
+    :meth:`_MmsgFloor.exchange` (the system calls and the compiled pass release the GIL),
+    divides by the world size and completes the Future. Buckets go in the order DDP hands them
+    over, the same on every rank, which numbers them. A lost datagram (loopback with 64 MiB
+    buffers does not lose) fails the Future after 5 s: the floor has no recovery. ``ports``:
+    every rank's :attr:`port`, exchanged by the caller (e.g. ``all_gather_object``) before
+    :meth:`start`.
+    """
+
+    def __init__(self, rank: int, world: int) -> None:
+        import queue
+        import threading
+
+        self.rank, self.world = rank, world
+        self.sock = floor_socket()
+        self.port = int(self.sock.getsockname()[1])
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="udp-floor-hook", daemon=True)
+        self._floors: dict[int, _MmsgFloor] = {}
+        self._stash: dict[int, list[np.ndarray]] = {}
+        self._ports: list[int] = []
+        self._rep = 0
+
+    def start(self, ports: list[int]) -> None:
+        """Every rank's port, in rank order; starts the worker thread."""
+        self._ports = list(ports)
+        self._thread.start()
+
+    def submit(self, tensor: Any) -> Any:
+        """All-reduce ``tensor`` (CPU, float32, contiguous) in place, averaged: a Future."""
+        import torch
+
+        fut: Any = torch.futures.Future()
+        self._jobs.put((tensor, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            tensor, fut = job
+            try:
+                arr = tensor.numpy()
+                n = arr.shape[0]
+                floor = self._floors.get(n)
+                if floor is None:
+                    bounds = np.linspace(0, n, self.world + 1).astype(np.int64)
+                    floor = self._floors[n] = _MmsgFloor(self.sock, self._ports, self.rank, bounds)
+                self._rep += 1
+                if not floor.exchange(arr, self._rep, self._stash):
+                    raise TimeoutError(f"udp floor: bucket {self._rep} lost a datagram")
+                tensor.div_(self.world)
+                fut.set_result(tensor)
+            except Exception as e:  # the Future carries it to backward()
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        """Stop the worker thread and close the socket."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(10.0)
+        self.sock.close()
+
+
+def floor_hook(state, bucket):
+    """DDP communication hook: the bucket's average over the ranks through ``state``. No
+    annotations: DDP accepts none or the real ``dist.GradBucket`` class, and this module's are
+    strings (and it imports torch only when a rank runs)."""
+    return state.submit(bucket.buffer())
 
 
 def _cpu() -> tuple[float, float]:
@@ -238,13 +358,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> N
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    for opt, force in ((socket.SO_RCVBUF, 33), (socket.SO_SNDBUF, 32)):
-        sock.setsockopt(socket.SOL_SOCKET, opt, 64 * MB)
-        with contextlib.suppress(OSError):  # past rmem_max when permitted, like gradlane's
-            sock.setsockopt(socket.SOL_SOCKET, force, 64 * MB)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
+    sock = floor_socket()
     store.set(f"port{rank}", str(sock.getsockname()[1]))
     ports = [int(store.get(f"port{r}")) for r in range(world)]
     rows = []

@@ -2,7 +2,8 @@
 
 The benchmark's ranks are spawned, waited on with a deadline and killed in a ``finally``
 (``bench.ddp_step.run_world``). No timing is asserted: only that every variant ran, the
-reliable hooks trained the same model as the default hook, and the JSON has its summary.
+reliable hooks (and the protocol-free floor's) trained the same model as the default hook, and
+the JSON has its summary.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from bench import ddp_step
 @pytest.mark.timeout(300)
 def test_ddp_step_benchmark_writes_its_summary(tmp_path):
     path = tmp_path / "step.json"
-    args = ["--ranks", "2", "--steps", "1", "--warmup", "2", "--json", str(path)]
+    args = ["--ranks", "2", "--steps", "1", "--warmup", "2", "--transports", "udp,zmq,floor"]
+    args += ["--json", str(path)]
     assert ddp_step.main(args) == 0
     doc = json.loads(path.read_text())
     assert set(doc["summary"]["step_ratio_vs_default"]) == {"2"}
@@ -25,9 +27,11 @@ def test_ddp_step_benchmark_writes_its_summary(tmp_path):
     assert set(doc["summary"]["cpu_ratio_vs_default"]) == {"2"}
     assert doc["config"]["grad_bytes"] >= 25_000_000
     rows = {r["variant"]: r for r in doc["rows"]}
-    assert set(rows) == {"default", "udp", "zmq", "noop"}
-    for v in ("udp", "zmq"):
+    assert set(rows) == {"default", "udp", "zmq", "floor", "noop"}
+    assert set(doc["summary"]["step_ratio_vs_default_floor"]) == {"2"}
+    for v in ("udp", "zmq", "floor"):
         assert rows[v]["param_gap"] <= ddp_step.MAX_PARAM_GAP
+    for v in ("udp", "zmq"):
         assert rows[v]["hook_comm_p50_s"] > 0
     for r in rows.values():  # every rank's process spent CPU on its step
         assert r["cpu_median_s"] > 0
