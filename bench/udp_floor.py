@@ -317,6 +317,11 @@ class FloorHook:
             tensor, fut = job
             try:
                 arr = tensor.numpy()
+                if arr.dtype != np.float32 or arr.ndim != 1 or not arr.flags.c_contiguous:
+                    raise TypeError(
+                        f"udp floor: buckets must be flat contiguous float32, got {arr.dtype} "
+                        f"{arr.shape}"
+                    )
                 n = arr.shape[0]
                 floor = self._floors.get(n)
                 if floor is None:
