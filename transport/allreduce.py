@@ -160,7 +160,9 @@ class _Collective:
     reduce_report: LossReport | None = None
     gather_reports: dict[int, LossReport] = field(default_factory=dict)
     gather_received: dict[int, np.ndarray] = field(default_factory=dict)
-    finish_by: float = 0.0  # while waiting for the peers' last acknowledgements
+    # While waiting for the peers' last acknowledgements: the wait's end, or None until the
+    # driver next passes in a time (see TransposeAllReduce._conclude).
+    finish_by: float | None = 0.0
 
 
 class TransposeAllReduce:
@@ -373,21 +375,23 @@ class TransposeAllReduce:
         self, now: float, *, process_input: bool = True
     ) -> list[Datagram | DatagramRun]:
         """Datagrams to send now (see :meth:`Endpoint.datagrams_to_send`)."""
-        self._pump(now, flush=process_input)
+        self._pump(now, flush=process_input, unstarted=self._unstarted_waits())
         return self.endpoint.datagrams_to_send(now, process_input=process_input)
 
     def get_timer(self) -> float | None:
-        """Next time ``handle_timer`` must run."""
+        """Next time ``handle_timer`` must run (at once while an ACK wait has not started)."""
         when = self.endpoint.get_timer()
         if self._waiting:
-            by = min(c.finish_by for c in self._waiting.values())
+            now = self.endpoint.now
+            by = min(now if c.finish_by is None else c.finish_by for c in self._waiting.values())
             when = by if when is None else min(when, by)
         return when
 
     def handle_timer(self, now: float) -> None:
         """Time-driven work of the endpoint, then of the collectives."""
+        unstarted = self._unstarted_waits()
         self.endpoint.handle_timer(now)
-        self._pump(now)
+        self._pump(now, unstarted=unstarted)
 
     def next_event(self) -> Event | None:
         """Pop the next collective event."""
@@ -398,9 +402,17 @@ class TransposeAllReduce:
     def _seed(self, step: int, bucket: int) -> int:
         return (self.config.job * 0x9E3779B1 + step * 65537 + bucket) & 0x7FFFFFFFFFFFFFFF
 
-    def _pump(self, now: float, flush: bool = True) -> None:
+    def _unstarted_waits(self) -> frozenset[tuple[int, int]]:
+        """The waiting collectives whose ACK wait has no clock yet."""
+        return frozenset(k for k, c in self._waiting.items() if c.finish_by is None)
+
+    def _pump(
+        self, now: float, flush: bool = True, unstarted: frozenset[tuple[int, int]] = frozenset()
+    ) -> None:
         """Advance collectives on the endpoint's events (without ``flush``: only the events
-        already produced, leaving received datagrams for later)."""
+        already produced, leaving received datagrams for later). ``unstarted``: waiting
+        collectives whose ACK wait starts at ``now`` — a time the driver read when it called,
+        which the work of this call (processing a batch) has not aged."""
         ep = self.endpoint
         nxt = ep.next_event if flush else ep.pop_event
         while (ev := nxt()) is not None:
@@ -410,8 +422,13 @@ class TransposeAllReduce:
                 self._fail(ev, now)
         if self._waiting:
             sender = self.endpoint.sender
+            wait = self.config.ack_wait_s
             for key, c in list(self._waiting.items()):
-                if now >= c.finish_by or not sender.owes(c.step, c.bucket):
+                if c.finish_by is None and key in unstarted:
+                    c.finish_by = now + wait
+                if not sender.owes(c.step, c.bucket) or (
+                    c.finish_by is not None and now >= c.finish_by
+                ):
                     del self._waiting[key]
                     self._finish(c, now)
 
@@ -432,7 +449,13 @@ class TransposeAllReduce:
         sent (within ``ack_wait_s``): the buffers then go back without copying anything out."""
         wait = self.config.ack_wait_s
         if wait > 0 and self.endpoint.sender.owes(c.step, c.bucket):
-            c.finish_by = now + wait
+            # The wait starts at the next time the driver passes in (get_timer asks for one at
+            # once), not at ``now``: ``now`` is when this call began, and processing the batch
+            # that completed the result can take longer than the whole wait (a pass of 128
+            # datagrams of 64 KB: ~4 ms here). Counted from ``now``, the wait had always run out
+            # already, and a 2 x 25 MB all-reduce copied its whole gather shard (12.5 MB, ~3 ms)
+            # out of the caller's buffer at nearly every completion.
+            c.finish_by = None
             self._waiting[(c.step, c.bucket)] = c
         else:
             self._finish(c, now)

@@ -739,6 +739,38 @@ def test_the_wait_for_acks_is_bounded_by_ack_wait_s():
     assert done_at[0.004][0] - done_at[0.0][0] == pytest.approx(0.004, abs=1e-9)
 
 
+def test_the_wait_for_acks_counts_from_the_drivers_next_time_not_the_completing_call(monkeypatch):
+    """The call that completes a result began before its batch was processed, which can take
+    longer than the whole ACK wait (~4 ms for 128 datagrams of 64 KB). The wait counts from the
+    next time the driver passes in (``get_timer`` asks for one at once), so a driver that comes
+    back 5 ms later still waits ``ack_wait_s`` from then. Counted from the completing call, the
+    wait had always run out already and the whole gather shard was copied out at once."""
+    copied = _count_copies(monkeypatch)
+    eps = make(2, ack_wait_s=0.002)
+
+    def no_acks_from_1(src, dg, q):
+        return src == 1 and kind_of(dg) in (Kind.ACK, Kind.STOP)
+
+    wire = Wire(eps, drop=no_acks_from_1)
+    rng = np.random.default_rng(6)
+    datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
+    for r, ep in enumerate(eps):
+        ep.start(1, 0, datas[r], layer_position=0.5, now=0.0)
+    wire.run(lambda: bool(eps[0]._waiting))  # rank 0's result is in; its data is unacked
+    completed_at = wire.now
+    timer = eps[0].get_timer()
+    assert timer is not None and timer <= completed_at  # "now": start the wait's clock
+    later = completed_at + 0.005  # the driver is back after processing for 5 ms
+    eps[0].handle_timer(later)
+    assert eps[0].next_event() is None and not copied  # still waiting, nothing copied
+    assert eps[0].get_timer() == pytest.approx(later + 0.002)
+    eps[0].handle_timer(later + 0.002)
+    done = eps[0].next_event()
+    assert isinstance(done, AllReduceComplete)  # the ACKs never came: owed data copied out
+    assert copied and all(n > 0 for n in copied)  # its reduce and gather data
+    np.testing.assert_allclose(done.result, datas[0] + datas[1], rtol=1e-6)
+
+
 def test_payload_changed_under_a_live_transfer_is_rejected_not_applied():
     """The tag in a header is computed from the payload at start, so a buffer the caller
     rewrites mid-collective cannot deliver wrong values: the receiver counts bad tags."""
