@@ -172,7 +172,6 @@ class _MmsgFloor:
         from transport import _mmsg
 
         self.sock, self.me, self.bounds, self.world = sock, me, bounds, len(ports)
-        self._mmsg = _mmsg
         self.el = (DATAGRAM - HDR.size) // 4
         self.rows = np.zeros((BATCH_RECV, HDR.size + DATAGRAM), dtype=np.uint8)
         self.words = self.rows.view(np.uint32)

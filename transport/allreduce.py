@@ -375,7 +375,8 @@ class TransposeAllReduce:
         self, now: float, *, process_input: bool = True
     ) -> list[Datagram | DatagramRun]:
         """Datagrams to send now (see :meth:`Endpoint.datagrams_to_send`)."""
-        self._pump(now, flush=process_input, unstarted=self._unstarted_waits())
+        self._start_waits(now)
+        self._pump(now, flush=process_input)
         return self.endpoint.datagrams_to_send(now, process_input=process_input)
 
     def get_timer(self) -> float | None:
@@ -389,9 +390,9 @@ class TransposeAllReduce:
 
     def handle_timer(self, now: float) -> None:
         """Time-driven work of the endpoint, then of the collectives."""
-        unstarted = self._unstarted_waits()
+        self._start_waits(now)
         self.endpoint.handle_timer(now)
-        self._pump(now, unstarted=unstarted)
+        self._pump(now)
 
     def next_event(self) -> Event | None:
         """Pop the next collective event."""
@@ -402,17 +403,16 @@ class TransposeAllReduce:
     def _seed(self, step: int, bucket: int) -> int:
         return (self.config.job * 0x9E3779B1 + step * 65537 + bucket) & 0x7FFFFFFFFFFFFFFF
 
-    def _unstarted_waits(self) -> frozenset[tuple[int, int]]:
-        """The waiting collectives whose ACK wait has no clock yet."""
-        return frozenset(k for k, c in self._waiting.items() if c.finish_by is None)
+    def _start_waits(self, now: float) -> None:
+        """Start the clock of every ACK wait that has none at ``now``: called first thing by
+        the driver calls, before any processing has aged the time the driver read."""
+        for c in self._waiting.values():
+            if c.finish_by is None:
+                c.finish_by = now + self.config.ack_wait_s
 
-    def _pump(
-        self, now: float, flush: bool = True, unstarted: frozenset[tuple[int, int]] = frozenset()
-    ) -> None:
+    def _pump(self, now: float, flush: bool = True) -> None:
         """Advance collectives on the endpoint's events (without ``flush``: only the events
-        already produced, leaving received datagrams for later). ``unstarted``: waiting
-        collectives whose ACK wait starts at ``now`` — a time the driver read when it called,
-        which the work of this call (processing a batch) has not aged."""
+        already produced, leaving received datagrams for later)."""
         ep = self.endpoint
         nxt = ep.next_event if flush else ep.pop_event
         while (ev := nxt()) is not None:
@@ -422,10 +422,7 @@ class TransposeAllReduce:
                 self._fail(ev, now)
         if self._waiting:
             sender = self.endpoint.sender
-            wait = self.config.ack_wait_s
             for key, c in list(self._waiting.items()):
-                if c.finish_by is None and key in unstarted:
-                    c.finish_by = now + wait
                 if not sender.owes(c.step, c.bucket) or (
                     c.finish_by is not None and now >= c.finish_by
                 ):
