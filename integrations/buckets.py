@@ -1,7 +1,7 @@
 """What a DDP ``GradBucket`` holds: its layer span, its wire dtype, a NumPy view of its buffer.
 
-Shared by the gradlane hook (:mod:`integrations.ddp`) and the trace recorder
-(:mod:`integrations.trace`).
+Shared by the gradlane hook (:mod:`gradlane.integrations.ddp`) and the trace recorder
+(:mod:`gradlane.integrations.trace`).
 
 Layer position: 0 is the model's first parameter (the front layer, needed first by the next
 forward), 1 its last. :class:`ParamOrder` knows each parameter's index either from the model
@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from scheduling.priority import PriorityConfig
-from transport.packet import DType
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport.wire.header import DType
 
 __all__ = ["BucketLayout", "ParamOrder", "numpy_view", "wire_dtype"]
 

@@ -12,7 +12,7 @@ Theory of operation
 DDP calls the hook on its autograd thread, once per gradient bucket, in ``bucket.index()``
 order, and waits on every returned Future at the end of ``backward()`` — forever: it has no
 timeout. So the hook only *enqueues*: it hands a zero-copy NumPy view of the bucket to the
-data plane (the UDP :class:`~transport.engine.Engine` or the ZeroMQ plane) with
+data plane (the UDP :class:`~gradlane.transport.drivers.udp.plane.Engine` or the ZeroMQ plane) with
 ``scale=1/world`` — the plane scales only its own shard as the sum completes, so the mean
 costs no pass over the bucket (DDP's own hook divides it first) — and returns a
 ``torch.futures.Future``. The plane's thread completes it: it checks the result's dtype and size
@@ -41,8 +41,8 @@ stream; the Future is created with the bucket's device, so DDP's wait orders its
 that copy. The next step reuses the pinned buffer only after DDP has waited on this Future.
 
 In daemon mode (``mode="daemon"`` or ``GRADLANE_MODE=daemon``) the data plane is a
-:class:`~transport.ipc_client.DaemonClient`: the host's ``gradlane daemon`` sums the host's
-ranks and runs the inter-host all-reduce; the hook itself is unchanged.
+:class:`~gradlane.transport.daemon.client.DaemonClient`: the host's ``gradlane daemon`` sums the
+host's ranks and runs the inter-host all-reduce; the hook itself is unchanged.
 
 One state serves one DDP instance. Per-step statistics (:class:`StepStats`) are kept by the
 state (:meth:`GradlaneState.stats`) and logged every ``log_every`` steps.
@@ -66,9 +66,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from integrations.buckets import BucketLayout, ParamOrder, numpy_view
-from integrations.rendezvous import (
+from gradlane.integrations.buckets import BucketLayout, ParamOrder, numpy_view
+from gradlane.integrations.rendezvous import (
     DEFAULT_TIMEOUT_S,
     StoreRendezvous,
     is_loopback,
@@ -76,14 +75,14 @@ from integrations.rendezvous import (
     local_rank_and_world,
     rank_and_world,
 )
-from scheduling.errors import ConfigError, GradlaneError
-from transport.config import TransportConfig, loopback_config
-from transport.daemon_config import default_socket
-from transport.engine import Engine
-from transport.events import CollectiveReport
-from transport.ipc_client import DaemonClient
-from transport.rendezvous import Rendezvous
-from transport.zmq_plane import ZmqDataPlane, zmq_config
+from gradlane.scheduling.errors import ConfigError, GradlaneError
+from gradlane.transport.config import TransportConfig, loopback_config
+from gradlane.transport.core.events import CollectiveReport
+from gradlane.transport.daemon.client import DaemonClient
+from gradlane.transport.daemon.config import default_socket
+from gradlane.transport.drivers.peers import Rendezvous
+from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.drivers.zmq.plane import ZmqDataPlane, zmq_config
 
 __all__ = [
     "HOOK_ENV_PREFIX",
@@ -97,7 +96,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Environment variables of :class:`HookConfig` (``GRADLANE_HOOK__TRANSPORT=zmq``); every other
-#: ``GRADLANE_*`` variable is a :class:`~transport.config.TransportConfig` setting.
+#: ``GRADLANE_*`` variable is a :class:`~gradlane.transport.config.TransportConfig` setting.
 HOOK_ENV_PREFIX = "GRADLANE_HOOK__"
 _TRANSPORTS = ("udp", "zmq")
 _MODES = ("embedded", "daemon")
@@ -122,8 +121,8 @@ class HookConfig:
     """This rank's local address per path; empty: 127.0.0.1, 127.0.0.2, ... on loopback, else
     the address that routes to ``MASTER_ADDR`` (one path)."""
     log_every: int = 100
-    """Log one line of statistics every this many steps (INFO, logger ``integrations.ddp``);
-    0 = never."""
+    """Log one line of statistics every this many steps (INFO, logger
+    ``gradlane.integrations.ddp``); 0 = never."""
     history: int = 10_000
     """Per-step statistics kept (the oldest are dropped; totals keep counting)."""
     rendezvous_timeout_s: float = DEFAULT_TIMEOUT_S
@@ -423,7 +422,7 @@ class GradlaneState:
 
     def drain(self, timeout_s: float = 2.0) -> bool:
         """Wait up to ``timeout_s`` until the peers have acknowledged what this rank sent them
-        (:meth:`transport.engine.Engine.drain`); True when nothing is owed.
+        (:meth:`gradlane.transport.drivers.udp.plane.Engine.drain`); True when nothing is owed.
 
         The end of a job, on every rank: ``state.drain()``, ``dist.barrier()``,
         ``state.close()``. A rank finishes its last step once it has received everything,

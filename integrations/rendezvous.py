@@ -9,8 +9,8 @@ to that store as one more client and keeps gradlane's keys apart from torch's in
 
 The run id keeps concurrent jobs on one store apart; the restart count keeps an elastic restart
 from reading the addresses its crashed predecessor published. ``channel`` separates the
-gradlane states of one job (each :class:`~integrations.ddp.GradlaneState` takes its own). A job
-under ``torchrun`` therefore needs no gradlane-specific configuration at all.
+gradlane states of one job (each :class:`~gradlane.integrations.ddp.GradlaneState` takes its own). A
+job under ``torchrun`` therefore needs no gradlane-specific configuration at all.
 
 Every wait has a timeout, and a timeout is a :class:`RendezvousError` that says which rank was
 missing, where it was looked for, and what usually causes it.
@@ -25,9 +25,8 @@ import socket
 from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
-
-from scheduling.errors import ConfigError, GradlaneError
-from transport.rendezvous import Address, Rendezvous
+from gradlane.scheduling.errors import ConfigError, GradlaneError
+from gradlane.transport.drivers.peers import Address, Rendezvous
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

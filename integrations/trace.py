@@ -34,8 +34,7 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as dist
-
-from integrations.buckets import ParamOrder
+from gradlane.integrations.buckets import ParamOrder
 
 __all__ = ["TRACE_FORMAT", "TRACE_VERSION", "TraceRecorder", "read_trace", "traced_hook"]
 

@@ -7,9 +7,9 @@ real engine, in the network simulator and in deterministic tests. The package im
 from ``transport``, ``integrations`` or ``bench``.
 """
 
-from scheduling.errors import ConfigError, GradlaneError
-from scheduling.loss import Decision, LossConfig, LossPolicy, Verdict
-from scheduling.pacing import (
+from gradlane.scheduling.errors import ConfigError, GradlaneError
+from gradlane.scheduling.loss import Decision, LossConfig, LossPolicy, Verdict
+from gradlane.scheduling.pacing import (
     CongestionController,
     FixedRate,
     LossTolerant,
@@ -19,8 +19,8 @@ from scheduling.pacing import (
     make_controller,
     register_controller,
 )
-from scheduling.paths import PathConfig, PathSet, PathState
-from scheduling.priority import (
+from gradlane.scheduling.paths import PathConfig, PathSet, PathState
+from gradlane.scheduling.priority import (
     Classes,
     PriorityConfig,
     PriorityPolicy,

@@ -1,7 +1,7 @@
 """The gradlane error taxonomy's root, shared by every package.
 
 It lives in ``scheduling`` (the bottom layer) so that pure policy code can raise
-``ConfigError`` without importing the transport; ``transport.errors`` re-exports it.
+``ConfigError`` without importing the transport; ``gradlane.transport.errors`` re-exports it.
 """
 
 from __future__ import annotations

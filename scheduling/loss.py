@@ -42,9 +42,8 @@ from enum import IntEnum
 from typing import Literal
 
 import numpy as np
-
-from scheduling import _loss_kernels as _lk
-from scheduling.errors import ConfigError
+from gradlane.scheduling._kernels import loss as _lk
+from gradlane.scheduling.errors import ConfigError
 
 __all__ = ["Decision", "LossConfig", "LossPolicy", "Verdict"]
 
@@ -356,7 +355,7 @@ class LossPolicy:
         whether its protected set is known (its ``protected`` row is ignored otherwise). Same
         verdict as :meth:`decide` given the rows as lists and no classes (a receiver knows
         none), computed by compiled passes
-        (:mod:`scheduling._loss_kernels`) instead of ~60 NumPy calls: a lossy receiver asks
+        (:mod:`gradlane.scheduling._kernels.loss`) instead of ~60 NumPy calls: a lossy receiver asks
         several times per collective.
         """
         n_src, n = received.shape

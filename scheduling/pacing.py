@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from scheduling.errors import ConfigError
+from gradlane.scheduling.errors import ConfigError
 
 __all__ = [
     "CongestionController",

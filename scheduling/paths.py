@@ -43,8 +43,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
-
-from scheduling._path_kernels import (
+from gradlane.scheduling._kernels.paths import (
     ASSIGNED,
     SPREAD_SPLIT,
     ack_update,
@@ -57,7 +56,7 @@ from scheduling._path_kernels import (
     tick_due,
     tick_update,
 )
-from scheduling.errors import ConfigError
+from gradlane.scheduling.errors import ConfigError
 
 __all__ = ["PathConfig", "PathSet", "PathState"]
 
@@ -304,11 +303,11 @@ class PathSet:
         out = np.empty(sizes_a.shape[0], dtype=np.int64)
         if not out.shape[0]:
             return out
-        # One compiled pass (``scheduling._path_kernels``; numpy reference in tests/unit/naive.py):
-        # states as of ``now`` (a path that fell silent since the driver's last tick() must not
-        # get protected packets in the meantime; tick() itself still reports the transition),
-        # the fallbacks, and the water level. The interleaving offset is drawn only when the
-        # packets are spread, between the two kernels.
+        # One compiled pass (``gradlane.scheduling._kernels.paths``; numpy reference in
+        # tests/support/naive.py): states as of ``now`` (a path that fell silent since the driver's
+        # last tick() must not get protected packets in the meantime; tick() itself still reports
+        # the transition), the fallbacks, and the water level. The interleaving offset is drawn only
+        # when the packets are spread, between the two kernels.
         cfg = self.config
         mode = assign_plan(
             sizes_a,
@@ -364,7 +363,7 @@ class PathSet:
         Updates outstanding bytes, delivery and progress times, the loss EWMA (each acked packet
         is a "no loss" sample), the RTT estimate (RFC 6298, one sample per path per batch: the
         batch's mean), the delivery-rate window, and lifts a SUSPECT/DOWN path that delivers
-        unless its loss is still high. One compiled pass (``scheduling._path_kernels``).
+        unless its loss is still high. One compiled pass (``gradlane.scheduling._kernels.paths``).
         """
         cfg = self.config
         path_a = np.asarray(path, dtype=np.int64).reshape(-1)

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
-
-from scheduling.errors import ConfigError
+from gradlane.scheduling.errors import ConfigError
 
 __all__ = [
     "Classes",

@@ -20,12 +20,11 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
+from gradlane.integrations.ddp import GradlaneState, gradlane_hook
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from integrations.ddp import GradlaneState, gradlane_hook
 
 
 def main() -> None:

@@ -13,13 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduling.loss import LossConfig
-from scheduling.pacing import PacingConfig
-from scheduling.paths import PathConfig
-from scheduling.priority import PriorityConfig
-from transport.errors import ConfigError
-from transport.packet import HEADER_SIZE, ITEMSIZE, MAX_UDP_PAYLOAD
-from transport.tag import TagKey
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.pacing import PacingConfig
+from gradlane.scheduling.paths import PathConfig
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport.errors import ConfigError
+from gradlane.transport.wire.header import HEADER_SIZE, ITEMSIZE, MAX_UDP_PAYLOAD
+from gradlane.transport.wire.tag import TagKey
 
 __all__ = ["TransportConfig", "loopback_config"]
 

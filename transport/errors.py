@@ -6,16 +6,16 @@ Remote garbage never propagates as a crash: decoders raise ``ProtocolError`` wit
 
 from __future__ import annotations
 
-from scheduling.errors import ConfigError, GradlaneError
+from gradlane.scheduling.errors import ConfigError, GradlaneError
 
 __all__ = ["ConfigError", "GradlaneError", "PeerTimeout", "ProtocolError", "TransferFailed"]
 
 
 class ProtocolError(GradlaneError):
-    """A datagram failed validation; ``reason`` is a :class:`transport.packet.Reason`."""
+    """A datagram failed validation; ``reason`` is a ``wire.header.Reason``."""
 
     def __init__(self, reason: int, detail: str = "") -> None:
-        from transport.packet import Reason  # noqa: PLC0415 (packet imports this module)
+        from gradlane.transport.wire.header import Reason  # noqa: PLC0415 (packet imports this module)
 
         self.reason = Reason(reason)
         super().__init__(f"{self.reason.name.lower()}: {detail}" if detail else self.reason.name)

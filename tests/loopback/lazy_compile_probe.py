@@ -17,13 +17,12 @@ from typing import Any
 
 import numba
 import numpy as np
-
-from scheduling.loss import LossConfig
-from transport.config import TransportConfig, loopback_config
-from transport.engine import Engine
-from transport.packet import DType
-from transport.rendezvous import StaticPeers
-from transport.zmq_plane import ZmqDataPlane, zmq_config
+from gradlane.scheduling.loss import LossConfig
+from gradlane.transport.config import TransportConfig, loopback_config
+from gradlane.transport.drivers.peers import StaticPeers
+from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.drivers.zmq.plane import ZmqDataPlane, zmq_config
+from gradlane.transport.wire.header import DType
 
 WAIT_S = 120.0
 

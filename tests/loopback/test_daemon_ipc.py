@@ -24,17 +24,17 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from gradlane.scheduling.loss import LossConfig
+from gradlane.transport.config import loopback_config
+from gradlane.transport.core.collective import from_f32
+from gradlane.transport.daemon import messages as ipc
+from gradlane.transport.daemon.client import DaemonClient, DaemonUnavailable
+from gradlane.transport.daemon.config import DaemonConfig
+from gradlane.transport.daemon.server import Daemon, DaemonError
+from gradlane.transport.daemon.shm import Segment
+from gradlane.transport.wire.header import DType
 
-from scheduling.loss import LossConfig
-from tests.loopback.checks import check_pinned_goes_in_class_0
-from transport import ipc
-from transport.allreduce import from_f32
-from transport.config import loopback_config
-from transport.daemon import Daemon, DaemonError
-from transport.daemon_config import DaemonConfig
-from transport.ipc_client import DaemonClient, DaemonUnavailable
-from transport.packet import DType
-from transport.shm import Segment
+from tests.support.checks import check_pinned_goes_in_class_0
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WAIT_S = 60.0
@@ -70,7 +70,8 @@ class Host:
     def process(self, *extra: str, socket: str = "", wait: bool = True) -> subprocess.Popen[str]:
         """A ``gradlane daemon`` process (on this host's socket, 2 local ranks, unless ``extra``
         flags say otherwise); with ``wait``, returns once it says it is ready."""
-        cmd = [sys.executable, "-m", "integrations.cli", "daemon", "--job", str(self.job),
+        cmd = [sys.executable, "-m", "gradlane.integrations.cli.main", "daemon", "--job",
+        str(self.job),
                "--socket", socket or self.socket, "--local-world", "2", "--metrics", "",
                "--log-level", "WARNING", *extra]  # fmt: skip
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,

@@ -20,20 +20,19 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from gradlane.integrations.ddp import GradlaneState, HookConfig, gradlane_hook
+from gradlane.integrations.rendezvous import RendezvousError, StoreRendezvous, local_hosts
+from gradlane.integrations.trace import TraceRecorder, read_trace
+from gradlane.scheduling.errors import ConfigError
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.events import CollectiveReport, LossReport
+from gradlane.transport.daemon.client import DaemonClient
+from gradlane.transport.daemon.config import DaemonConfig
+from gradlane.transport.daemon.server import Daemon
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
-
-from integrations.ddp import GradlaneState, HookConfig, gradlane_hook
-from integrations.rendezvous import RendezvousError, StoreRendezvous, local_hosts
-from integrations.trace import TraceRecorder, read_trace
-from scheduling.errors import ConfigError
-from scheduling.priority import PriorityConfig
-from transport.config import TransportConfig
-from transport.daemon import Daemon
-from transport.daemon_config import DaemonConfig
-from transport.events import CollectiveReport, LossReport
-from transport.ipc_client import DaemonClient
 
 
 @pytest.fixture

@@ -14,17 +14,17 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.pacing import PacingConfig
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.events import DatagramRun
+from gradlane.transport.drivers.peers import Address, StaticPeers
+from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.errors import ConfigError, PeerTimeout, TransferFailed
+from gradlane.transport.wire.header import DType, Header, Kind, Phase, encode
+from gradlane.transport.wire.tag import TagKey
 
-from scheduling.loss import LossConfig
-from scheduling.pacing import PacingConfig
-from tests.loopback.checks import check_pinned_goes_in_class_0
-from transport.config import TransportConfig
-from transport.engine import Engine
-from transport.errors import ConfigError, PeerTimeout, TransferFailed
-from transport.events import DatagramRun
-from transport.packet import DType, Header, Kind, Phase, encode
-from transport.rendezvous import Address, StaticPeers
-from transport.tag import TagKey
+from tests.support.checks import check_pinned_goes_in_class_0
 
 WAIT_S = 60.0
 # The default pacing on purpose: two engines in one process share the GIL (and this machine a
@@ -362,7 +362,7 @@ def test_drain_then_close_leaves_nothing_owed(cluster: MakeCluster, caplog):
         np.testing.assert_array_equal(got[0][0], data[0] + data[1])
     assert all(e.drain(WAIT_S) for e in engines)
     assert not any(e._core.endpoint.sender.transfers for e in engines)
-    with caplog.at_level("WARNING", logger="transport.engine"):
+    with caplog.at_level("WARNING", logger="gradlane.transport.drivers.udp.plane"):
         t0 = time.monotonic()
         for e in engines:
             e.close()

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from scheduling.loss import LossConfig
-from transport.config import TransportConfig
-from transport.engine import Engine
-from transport.errors import ConfigError
-from transport.rendezvous import StaticPeers
+from gradlane.scheduling.loss import LossConfig
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.drivers.peers import StaticPeers
+from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.errors import ConfigError
 
 WAIT_S = 60.0
 

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
-from transport import _mmsg, udp
-from transport.config import TransportConfig
-from transport.engine import Engine
-from transport.events import DatagramRun
-from transport.rendezvous import StaticPeers
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.events import DatagramRun
+from gradlane.transport.drivers.peers import StaticPeers
+from gradlane.transport.drivers.udp import mmsg as _mmsg
+from gradlane.transport.drivers.udp import sockets as udp
+from gradlane.transport.drivers.udp.plane import Engine
 
 pytestmark = pytest.mark.skipif(not _mmsg.AVAILABLE, reason="sendmmsg/recvmmsg: Linux only")
 
@@ -545,7 +545,7 @@ def test_a_control_datagram_goes_out_by_the_socket_or_queued_by_the_transport():
     instead, and a refused one is counted. Every accepted one reaches the peer."""
     import asyncio
 
-    from transport.events import Datagram
+    from gradlane.transport.core.events import Datagram
 
     class Full:
         """A socket whose buffer is always full."""
@@ -591,7 +591,7 @@ def test_a_control_datagram_goes_out_by_the_socket_or_queued_by_the_transport():
 def test_poll_says_whether_it_read_every_socket_empty(batched):
     """poll() reads at most READ_BURST datagrams per socket; it answers True only when every
     socket gave fewer (what had arrived is all read), which the receiver needs before it takes
-    a sender's pass end as the end of its data (transport.receiver)."""
+    a sender's pass end as the end of its data (gradlane.transport.core.receiver)."""
     import asyncio
 
     got: list[int] = []
@@ -635,7 +635,7 @@ def test_every_datagram_leaves_marked_with_its_class_tos(monkeypatch, mode):
     datagrams, byte for byte and one by one, each with its run's TOS."""
     import asyncio
 
-    from transport.events import Datagram
+    from gradlane.transport.core.events import Datagram
 
     gso = mode.startswith("gso")
     if gso and not _gso_here():

@@ -1,13 +1,12 @@
-"""``bench.udp_floor.FloorHook`` (the protocol-free DDP hook of ``bench.ddp_step --transports
-udp,floor``) refuses what it cannot reduce through the Future, and its worker thread ends on
-close."""
+"""``gradlane.bench.perf.udp_floor.FloorHook`` (the protocol-free DDP hook of
+``gradlane.bench.perf.ddp_step --transports udp,floor``) refuses what it cannot reduce through the
+Future, and its worker thread ends on close."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from bench.udp_floor import FloorHook
+from gradlane.bench.perf.udp_floor import FloorHook
 
 
 @pytest.mark.timeout(60)

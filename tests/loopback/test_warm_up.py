@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from transport.warm import lock_path
+from gradlane.transport.drivers.warmup import lock_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +84,10 @@ def _holding_the_lock():
 @pytest.mark.timeout(600)
 def test_a_process_waits_for_another_compiling_then_warms_up():
     with _holding_the_lock():
-        child = _child("from transport.warm import warm_up; warm_up(); print('warm', flush=True)")
+        child = _child(
+            "from gradlane.transport.drivers.warmup import warm_up; "
+            "warm_up(); print('warm', flush=True)"
+        )
         try:
             assert _line_with(child.stderr, "is compiling gradlane's kernels; waiting", 120)
             assert child.poll() is None  # held by us: it cannot be past its turn

@@ -18,12 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-
-from scheduling.loss import LossConfig
-from tests.loopback.checks import check_pinned_goes_in_class_0
-from transport import zmq_batch
-from transport.errors import ConfigError, PeerTimeout, TransferFailed
-from transport.zmq_control import (
+from gradlane.scheduling.loss import LossConfig
+from gradlane.transport.drivers.zmq import frames as zmq_batch
+from gradlane.transport.drivers.zmq.handshake import (
     Announcement,
     ControlServer,
     HandshakeError,
@@ -31,7 +28,10 @@ from transport.zmq_control import (
     hello,
     request_stats,
 )
-from transport.zmq_plane import ZmqDataPlane, zmq_config
+from gradlane.transport.drivers.zmq.plane import ZmqDataPlane, zmq_config
+from gradlane.transport.errors import ConfigError, PeerTimeout, TransferFailed
+
+from tests.support.checks import check_pinned_goes_in_class_0
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -309,7 +309,8 @@ def test_scale_multiplies_the_sum(ipc_dir, closing):
 
 
 def _batch(count: int, *records: bytes) -> bytes:
-    """A batch frame (transport.zmq_batch's layout) declaring ``count`` records."""
+    """A batch frame (gradlane.transport.drivers.zmq.frames's layout) declaring ``count``
+    records."""
     out = zmq_batch.BATCH_MAGIC + count.to_bytes(4, "little")
     for r in records:
         out += len(r).to_bytes(8, "little") + r + bytes(-len(r) % 8)

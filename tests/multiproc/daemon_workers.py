@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from gradlane.bench.demo.models import digits_mlp
+from gradlane.integrations.ddp import GradlaneState, HookConfig, gradlane_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.ddp_models import digits_mlp
-from integrations.ddp import GradlaneState, HookConfig, gradlane_hook
 from tests.multiproc.ddp_workers import BUCKET_CAP_MB, WAIT_S, _batch, _loss, reliable, run_rank
 
 LOCAL_WORLD = 2

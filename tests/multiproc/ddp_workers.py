@@ -20,13 +20,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from gradlane.bench.demo.models import digits_cnn, digits_mlp
+from gradlane.integrations.ddp import GradlaneState, HookConfig, gradlane_hook
+from gradlane.scheduling.loss import LossConfig
+from gradlane.transport.config import TransportConfig, loopback_config
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from bench.ddp_models import digits_cnn, digits_mlp
-from integrations.ddp import GradlaneState, HookConfig, gradlane_hook
-from scheduling.loss import LossConfig
-from transport.config import TransportConfig, loopback_config
 
 #: Longest any rank waits for a queue hand-off.
 WAIT_S = 120.0

@@ -1,5 +1,5 @@
-"""``python -m bench.allreduce`` runs end to end: every transport's result checked against
-gloo's, the summary maps the issue names, and the CPU figures next to the times.
+"""``python -m gradlane.bench.perf.allreduce`` runs end to end: every transport's result checked
+against gloo's, the summary maps the issue names, and the CPU figures next to the times.
 
 No timing is asserted (machines are noisy): only that the run is real and its JSON complete.
 """
@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from bench import allreduce
+from gradlane.bench.perf import allreduce
 
 
 @pytest.mark.timeout(300)

@@ -1,8 +1,9 @@
-"""``python -m bench.ddp_step`` runs end to end (one measured step) and writes its summary.
+"""``python -m gradlane.bench.perf.ddp_step`` runs end to end (one measured step) and writes its
+summary.
 
 The benchmark's ranks are spawned, waited on with a deadline and killed in a ``finally``
-(``bench.ddp_step.run_world``). No timing is asserted: only that every variant ran, the
-reliable hooks (and the protocol-free floor's) trained the same model as the default hook, and
+(``gradlane.bench.perf.ddp_step.run_world``). No timing is asserted: only that every variant ran,
+the reliable hooks (and the protocol-free floor's) trained the same model as the default hook, and
 the JSON has its summary.
 """
 
@@ -11,8 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from bench import ddp_step
+from gradlane.bench.perf import ddp_step
 
 
 @pytest.mark.timeout(300)

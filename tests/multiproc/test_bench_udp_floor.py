@@ -1,4 +1,4 @@
-"""``python -m bench.udp_floor`` runs end to end and writes its summary.
+"""``python -m gradlane.bench.perf.udp_floor`` runs end to end and writes its summary.
 
 No timing is asserted: only that both protocol-free floors (per-datagram calls, and batched
 ``sendmmsg``/``recvmmsg`` with a compiled apply pass) computed gloo's sum (so its time is
@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from bench import udp_floor
+from gradlane.bench.perf import udp_floor
 
 
 @pytest.mark.timeout(300)

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 import zmq
+from gradlane.transport.daemon import messages as ipc
+from gradlane.transport.daemon.metrics import fetch, parse
 
 from tests.multiproc import daemon_workers
 from tests.multiproc.ddp_workers import WAIT_S
-from tests.multiproc.procs import RankProcs, owned
-from transport import ipc
-from transport.metrics import fetch, parse
+from tests.support.procs import RankProcs, owned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOSTS = 2
@@ -60,7 +60,7 @@ class Daemons:
         cmd = [
             sys.executable,
             "-m",
-            "integrations.cli",
+            "gradlane.integrations.cli.main",
             "daemon",
             "--job",
             str(self.job),

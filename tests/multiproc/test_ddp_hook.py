@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.multiproc import ddp_workers
-from tests.multiproc.procs import RankProcs, owned
+from tests.support.procs import RankProcs, owned
 
 
 def _free_port() -> int:

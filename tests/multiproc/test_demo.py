@@ -1,7 +1,7 @@
 """``gradlane demo`` for real: DDP training in spawned ranks, gloo's hook against gradlane's.
 
 ``run_demo`` spawns the ranks, reads every message with a timeout and joins or kills every
-process in a ``finally`` (see ``bench.ddp_demo``).
+process in a ``finally`` (see ``gradlane.bench.demo.training``).
 """
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from bench.ddp_demo import DemoOptions, run_demo
-from integrations.cli import main
+from gradlane.bench.demo.training import DemoOptions, run_demo
+from gradlane.integrations.cli.main import main
 
 
 @pytest.mark.timeout(300)

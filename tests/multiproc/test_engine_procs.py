@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.multiproc import workers
-from tests.multiproc.procs import RankProcs, owned
+from tests.support.procs import RankProcs, owned
 
 
 class Ranks(RankProcs):

@@ -1,4 +1,4 @@
-"""Trace replay on loopback (bench/replay.py): 2 rank processes, a tiny synthetic trace, every
+"""Trace replay on loopback (bench/replay/run.py): 2 rank processes, a tiny synthetic trace, every
 transport; the report's structure and values. Every rank process is stopped by ``run_replay``
 whatever happens (its ``finally``); each test has a timeout."""
 
@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from bench import replay_report
-from bench.replay import LoopbackNetwork, ReplayError, ReplayOptions, run_replay
-from bench.synth_trace import SynthSpec, synth_records, write_trace
-from integrations.cli import main
+from gradlane.bench.replay import report as replay_report
+from gradlane.bench.replay.run import LoopbackNetwork, ReplayError, ReplayOptions, run_replay
+from gradlane.bench.replay.synth import SynthSpec, synth_records, write_trace
+from gradlane.integrations.cli.main import main
 
 CONFIGS = ("gloo", "udp-reliable", "udp-bounded", "udp-reliable+flat", "udp-bounded+1path")
 STEPS = 3

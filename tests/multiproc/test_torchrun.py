@@ -61,7 +61,8 @@ def test_train_ddp_under_torchrun_with_two_ranks(mode: str):
     try:
         if mode == "daemon":  # after the trainers: they wait for it
             daemon = subprocess.Popen(
-                [sys.executable, "-m", "integrations.cli", "daemon", "--job", str(job),
+                [sys.executable, "-m", "gradlane.integrations.cli.main", "daemon", "--job",
+                str(job),
                  "--socket", sock, "--local-world", "2", "--metrics", "", "--log-level",
                  "WARNING"],
                 env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.PIPE,

@@ -17,12 +17,11 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 import numpy as np
-
-from scheduling.loss import LossConfig
-from transport.config import TransportConfig
-from transport.engine import Engine
-from transport.errors import PeerTimeout
-from transport.rendezvous import StaticPeers
+from gradlane.scheduling.loss import LossConfig
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.drivers.peers import StaticPeers
+from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.errors import PeerTimeout
 
 #: Longest any rank waits for a queue hand-off or a Future.
 WAIT_S = 120.0

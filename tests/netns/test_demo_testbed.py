@@ -7,10 +7,9 @@ import os
 import subprocess
 
 import pytest
-
-from bench import testbed
-from bench.ddp_demo import DemoOptions
-from bench.ddp_demo_testbed import TestbedDemo, run_testbed_demo
+from gradlane.bench.demo.testbed import TestbedDemo, run_testbed_demo
+from gradlane.bench.demo.training import DemoOptions
+from gradlane.bench.testbed import netns as testbed
 
 
 @pytest.mark.timeout(240)

@@ -11,10 +11,9 @@ import os
 import subprocess
 
 import pytest
-
-from bench import testbed
-from bench.replay import ReplayOptions, TestbedNetwork, run_replay
-from bench.synth_trace import SynthSpec, synth_records, write_trace
+from gradlane.bench.replay.run import ReplayOptions, TestbedNetwork, run_replay
+from gradlane.bench.replay.synth import SynthSpec, synth_records, write_trace
+from gradlane.bench.testbed import netns as testbed
 
 
 def _need_testbed() -> None:

@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-
-from bench import testbed
-from bench.testbed import Testbed, TestbedSpec, down_all
+from gradlane.bench.testbed import netns as testbed
+from gradlane.bench.testbed.netns import Testbed, TestbedSpec, down_all
 
 pytestmark = pytest.mark.timeout(120)
 _counter = itertools.count()
@@ -355,7 +354,7 @@ def test_user_namespace_mode(prefix, monkeypatch):
 
 
 def test_cli_up_status_down(prefix, capsys):
-    from integrations.cli import main
+    from gradlane.integrations.cli.main import main
 
     argv = ["--prefix", prefix, "--hosts", "2", "--spines", "1"]
     assert main(["testbed", "up", *argv]) == 0

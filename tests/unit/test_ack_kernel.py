@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.transport import kernels
+from gradlane.transport.core import outgoing
+from gradlane.transport.kernels import _ack as _kernels_ack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.unit import naive
-from transport import _kernels_ack, kernels, outgoing
+from tests.support import naive
 
 SETTINGS = settings(
     max_examples=300,

@@ -4,11 +4,10 @@ gaps) against the NumPy they replaced, on random inputs."""
 from __future__ import annotations
 
 import numpy as np
+from gradlane.transport.kernels.batch import note_arrivals, pass_end_gaps
+from gradlane.transport.wire.header import Flags, Reason
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from transport._kernels_batch import note_arrivals, pass_end_gaps
-from transport.packet import Flags, Reason
 
 _OK, _DUP = int(Reason.OK), int(Reason.DUPLICATE)
 

@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
-from integrations.cli import main
-from transport import __version__
+from gradlane.integrations.cli.main import main
+from gradlane.transport import __version__
 
 
 def test_version_and_help(capsys):
@@ -31,7 +30,7 @@ def test_unknown_subcommand_is_a_clear_error(capsys):
 
 def test_help_does_not_import_torch_or_numba():
     code = (
-        "import sys; from integrations.cli import main; "
+        "import sys; from gradlane.integrations.cli.main import main; "
         "import contextlib, io\n"
         "with contextlib.redirect_stdout(io.StringIO()): main([])\n"
         "print('torch' in sys.modules, 'numba' in sys.modules)"
@@ -52,7 +51,7 @@ def test_simulated_demo_runs_and_writes_its_summary(tmp_path, capsys):
 
 
 def test_daemon_and_stats_fail_clearly_without_a_working_setup(tmp_path):
-    run = [sys.executable, "-m", "integrations.cli"]
+    run = [sys.executable, "-m", "gradlane.integrations.cli.main"]
     bad = subprocess.run(
         [*run, "daemon", "--hosts", "2", "--socket", str(tmp_path / "d.sock")],
         capture_output=True,

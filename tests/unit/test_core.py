@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.collective import TransposeAllReduce, from_f32, to_f32
+from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, Datagram, flat
+from gradlane.transport.core.outgoing import ABANDONED, ACKED, INFLIGHT, LOST
+from gradlane.transport.errors import PeerTimeout
+from gradlane.transport.wire.header import HEADER_DTYPE, DType, Header, Kind, Reason, encode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduling.loss import LossConfig
-from scheduling.priority import PriorityConfig
-from tests.unit.wire import Wire
-from transport.allreduce import TransposeAllReduce, from_f32, to_f32
-from transport.config import TransportConfig
-from transport.errors import PeerTimeout
-from transport.events import AllReduceComplete, AllReduceFailed, Datagram, flat
-from transport.outgoing import ABANDONED, ACKED, INFLIGHT, LOST
-from transport.packet import HEADER_DTYPE, DType, Header, Kind, Reason, encode
+from tests.support.wire import Wire
 
 
 def make(world: int, **cfg) -> list[TransposeAllReduce]:
@@ -366,7 +366,7 @@ def test_rotation_commutes_with_the_sum():
 
 
 def test_bad_config_is_a_clear_error():
-    from transport.errors import ConfigError
+    from gradlane.transport.errors import ConfigError
 
     with pytest.raises(ConfigError, match="chunk_bytes"):
         TransportConfig(chunk_bytes=3)
@@ -522,7 +522,7 @@ def test_buffers_are_released_at_completion_despite_zero_copy():
     """Payloads are sent straight from the caller's buffers, but once a rank's collective
     completes its input and result belong to the caller again: overwriting them must not change
     what its peers still receive."""
-    from scheduling.pacing import PacingConfig
+    from gradlane.scheduling.pacing import PacingConfig
 
     slow = PacingConfig(controller="fixed", initial_rate_Bps=2e5, min_rate_Bps=1e5, burst_bytes=600)
     flat = PriorityConfig(policy="flat")  # one class: rank 0 sends its reduce shard, then gather
@@ -623,7 +623,7 @@ def test_data_payloads_are_views_of_the_callers_buffer_until_detached():
 
 def _count_copies(monkeypatch) -> list[int]:
     """Patch ``OutTransfer.release_source`` to record how many chunks each call copies."""
-    from transport.outgoing import OutTransfer
+    from gradlane.transport.core.outgoing import OutTransfer
 
     copied: list[int] = []
     release = OutTransfer.release_source
@@ -658,7 +658,7 @@ def test_copied_out_payload_buffers_are_recycled_without_corrupting_retransmissi
     """With no ack wait, payloads are copied out at every completion; the copies' buffers go back
     to the sender's spares when their transfers end and serve later collectives, while a lossy,
     reordering wire keeps retransmitting from them: every step stays exact."""
-    from transport.outgoing import SparePayloads
+    from gradlane.transport.core.outgoing import SparePayloads
 
     reused = []
     take = SparePayloads.take
@@ -680,7 +680,7 @@ def test_copied_out_payload_buffers_are_recycled_without_corrupting_retransmissi
 
 
 def test_spare_payloads_keep_a_bounded_number_of_buffers():
-    from transport.outgoing import SparePayloads
+    from gradlane.transport.core.outgoing import SparePayloads
 
     spares = SparePayloads(max_bytes=300, per_size=2)
     a, b, c = (np.empty(100, np.uint8) for _ in range(3))
@@ -697,8 +697,8 @@ def test_runs_toward_a_peer_follow_the_global_priority_order():
     """A transfer's classes may leave in one sending batch (one run per class and TOS), but
     never ahead of another transfer's more urgent chunks to the same peer: toward each peer
     the runs come in (class, layer position) order, each run one class with that class's TOS."""
-    from transport.events import DatagramRun
-    from transport.packet import HEADER_SIZE
+    from gradlane.transport.core.events import DatagramRun
+    from gradlane.transport.wire.header import HEADER_SIZE
 
     eps = make(2, chunk_bytes=256)
     rng = np.random.default_rng(8)
@@ -795,7 +795,7 @@ def test_path_accounting_drains_when_transfers_end(loss_bound):
     transfers are over: bytes in flight at the end are released, written-off ones are not
     taken out twice. A leak here kept paths from ever looking drained, so idle gaps between
     steps read as slow delivery and the rate estimates of all but one path collapsed."""
-    from scheduling.loss import LossConfig
+    from gradlane.scheduling.loss import LossConfig
 
     world, n = 3, 6000
     eps = make(world, n_paths=2, loss=LossConfig(loss_bound=loss_bound))

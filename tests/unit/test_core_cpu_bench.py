@@ -1,4 +1,4 @@
-"""``python -m bench.core_cpu`` runs end to end and writes its summary.
+"""``python -m gradlane.bench.perf.core_cpu`` runs end to end and writes its summary.
 
 No timing is asserted: only that every collective it times computed the sum (the harness
 checks each result against NumPy and raises otherwise), that the cores' CPU was measured, and
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from bench import core_cpu
+from gradlane.bench.perf import core_cpu
 
 
 def test_core_cpu_benchmark_sums_and_writes_its_summary(tmp_path):

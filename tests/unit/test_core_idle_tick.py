@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.paths import PathSet
+from gradlane.transport.core.events import AllReduceComplete
+from gradlane.transport.wire.header import Kind
 
-from scheduling.loss import LossConfig
-from scheduling.paths import PathSet
+from tests.support.wire import Wire
 from tests.unit.test_core import kind_of, make, random_datas, run_allreduce
-from tests.unit.wire import Wire
-from transport.events import AllReduceComplete
-from transport.packet import Kind
 
 
 def count_ticks(ep) -> list[float]:

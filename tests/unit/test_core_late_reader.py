@@ -11,16 +11,16 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.endpoint import Endpoint
+from gradlane.transport.core.events import AllReduceComplete, DatagramRun
+from gradlane.transport.core.outgoing import INFLIGHT, LOST, OutKey
+from gradlane.transport.wire.header import DType, Flags, Kind, Phase
 
-from scheduling.loss import LossConfig
-from scheduling.priority import PriorityConfig
+from tests.support.wire import Wire
 from tests.unit.test_core import header_of, kind_of, make, random_datas, run_allreduce
-from tests.unit.wire import Wire
-from transport.config import TransportConfig
-from transport.endpoint import Endpoint
-from transport.events import AllReduceComplete, DatagramRun
-from transport.outgoing import INFLIGHT, LOST, OutKey
-from transport.packet import DType, Flags, Kind, Phase
 
 RTO = 0.02  # min_rto_s: on the in-memory wire's 50 us the RTO is this floor
 NACK_AFTER = 0.2  # soft_deadline_min_s: the receivers' deadline NACKs come no sooner

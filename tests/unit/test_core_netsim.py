@@ -6,15 +6,14 @@ Simulated time only: deterministic, and no wall-clock timing anywhere.
 from __future__ import annotations
 
 import numpy as np
-
-from bench.netsim import GBPS, Network, Simulation, pair
-from scheduling.loss import LossConfig
-from scheduling.pacing import PacingConfig
-from scheduling.priority import PriorityConfig
-from transport.allreduce import TransposeAllReduce
-from transport.config import TransportConfig
-from transport.events import AllReduceComplete
-from transport.packet import HEADER_DTYPE, Flags, Kind
+from gradlane.bench.sim.simulator import GBPS, Network, Simulation, pair
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.pacing import PacingConfig
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.collective import TransposeAllReduce
+from gradlane.transport.core.events import AllReduceComplete
+from gradlane.transport.wire.header import HEADER_DTYPE, Flags, Kind
 
 RATE = 10 * GBPS
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.endpoint import Endpoint
+from gradlane.transport.core.events import AllReduceComplete, DatagramRun
+from gradlane.transport.core.outgoing import INFLIGHT, LOST, OutKey
+from gradlane.transport.wire.header import DType, Flags, Kind, Phase
 
-from scheduling.loss import LossConfig
-from scheduling.priority import PriorityConfig
+from tests.support.wire import Wire
 from tests.unit.test_core import header_of, kind_of, make, random_datas, run_allreduce
 from tests.unit.test_core_recovery import lose_first_transmission
-from tests.unit.wire import Wire
-from transport.config import TransportConfig
-from transport.endpoint import Endpoint
-from transport.events import AllReduceComplete, DatagramRun
-from transport.outgoing import INFLIGHT, LOST, OutKey
-from transport.packet import DType, Flags, Kind, Phase
 
 # No history: the soft (and NACK) deadline is its maximum, 0.5 s; the sender's own loss
 # detection is slow too. What completes a collective within 50 ms is the pass end.

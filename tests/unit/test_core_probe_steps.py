@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.scheduling.paths import PathConfig, PathState
+from gradlane.transport.wire.header import Kind, Reason
 
-from scheduling.paths import PathConfig, PathState
+from tests.support.wire import Wire
 from tests.unit.test_core import kind_of, make, random_datas, run_allreduce
-from tests.unit.wire import Wire
-from transport.packet import Kind, Reason
 
 
 @pytest.mark.parametrize(("interval", "latency"), [(0.02, 0.002), (0.0005, 0.002), (0.0005, 50e-6)])

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport.core.events import AllReduceComplete
+from gradlane.transport.wire.header import Kind, Phase
 
-from scheduling.loss import LossConfig
-from scheduling.priority import PriorityConfig
+from tests.support.wire import Wire
 from tests.unit.test_core import header_of, kind_of, make, random_datas, run_allreduce
-from tests.unit.wire import Wire
-from transport.events import AllReduceComplete
-from transport.packet import Kind, Phase
 
 
 @pytest.mark.parametrize("bound", [0.0, 0.05])

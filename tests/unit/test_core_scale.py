@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport import kernels
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.collective import TransposeAllReduce
+from gradlane.transport.core.events import AllReduceComplete
+from gradlane.transport.wire.header import Flags, Kind, Phase
 
-from scheduling.loss import LossConfig
-from scheduling.priority import PriorityConfig
+from tests.support.wire import Wire
 from tests.unit.test_core import header_of, kind_of, make, run_allreduce
-from tests.unit.wire import Wire
-from transport import kernels
-from transport.allreduce import TransposeAllReduce
-from transport.config import TransportConfig
-from transport.events import AllReduceComplete
-from transport.packet import Flags, Kind, Phase
 
 
 @pytest.mark.parametrize(

@@ -9,17 +9,18 @@ import os
 
 import numpy as np
 import pytest
+from gradlane.transport import kernels
+from gradlane.transport.core.events import CollectiveReport, LossReport, SenderReport
+from gradlane.transport.daemon import messages as ipc
+from gradlane.transport.daemon.config import DaemonConfig, load, parse_address
+from gradlane.transport.daemon.metrics import Registry, parse
+from gradlane.transport.daemon.shm import Segment, SegmentError, check_name, remove_prefix
+from gradlane.transport.errors import ConfigError
+from gradlane.transport.wire.header import DType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit import naive
-from transport import ipc, kernels
-from transport.daemon_config import DaemonConfig, load, parse_address
-from transport.errors import ConfigError
-from transport.events import CollectiveReport, LossReport, SenderReport
-from transport.metrics import Registry, parse
-from transport.packet import DType
-from transport.shm import Segment, SegmentError, check_name, remove_prefix
+from tests.support import naive
 
 SUBMIT = {"generation": 5, "step": 3, "bucket": 1, "shm": "gradlane-1-h0-5-l0-b1.0-0",
           "offset": 0, "numel": 100, "dtype": 0, "layer_position": 0.25,

@@ -6,12 +6,12 @@ never held; what does not fit is dropped, counted, and recovered like any loss."
 from __future__ import annotations
 
 import numpy as np
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.collective import TransposeAllReduce
+from gradlane.transport.core.events import AllReduceComplete, DatagramRun, flat
+from gradlane.transport.wire.header import HEADER_SIZE, Header, Kind, Phase, Reason, encode
 
-from tests.unit.wire import Wire
-from transport.allreduce import TransposeAllReduce
-from transport.config import TransportConfig
-from transport.events import AllReduceComplete, DatagramRun, flat
-from transport.packet import HEADER_SIZE, Header, Kind, Phase, Reason, encode
+from tests.support.wire import Wire
 
 
 def _ranks(**cfg) -> list[TransposeAllReduce]:
@@ -163,7 +163,7 @@ def test_early_data_is_held_in_place_and_never_overwritten():
 def test_early_data_is_copied_once_the_arena_has_no_room_to_spare():
     """Held batches stay in place only while at least MIN_ROOM rows are left above them for
     the next batches; early data beyond that is copied out, and everything stays exact."""
-    from transport.endpoint import MIN_ROOM, RX_BATCH
+    from gradlane.transport.core.endpoint import MIN_ROOM, RX_BATCH
 
     rng = np.random.default_rng(8)
     datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]

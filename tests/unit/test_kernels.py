@@ -1,4 +1,5 @@
-"""The numba kernels (transport/kernels.py) against their NumPy references (tests/unit/naive.py).
+"""The numba kernels (transport/kernels/__init__.py) against their NumPy references
+(tests/support/naive.py).
 
 Deterministic: seeded generators and derandomized Hypothesis. Everything a kernel writes is
 compared with the reference; everything it must not write is compared with its old bytes.
@@ -8,13 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from tests.unit import naive
-from transport import kernels
-from transport.errors import ConfigError
-from transport.packet import (
+from gradlane.transport import kernels
+from gradlane.transport.errors import ConfigError
+from gradlane.transport.wire.header import (
     N_REASONS,
     DType,
     Flags,
@@ -28,7 +25,11 @@ from transport.packet import (
     encode_bitmap,
     packet_tag,
 )
-from transport.tag import TagKey
+from gradlane.transport.wire.tag import TagKey
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.support import naive
 
 SETTINGS = settings(
     max_examples=60,
@@ -828,9 +829,9 @@ def test_a_receiving_transfer_checks_packets_against_the_current_step_window() -
     """The receiver prepares its kernel arguments once per transfer; when the session's step
     window moves (a new session), the next batch is judged by the new window, not the one the
     arguments were prepared with."""
-    from scheduling.loss import LossPolicy
-    from transport.config import TransportConfig
-    from transport.receiver import InKey, ReceiverCore
+    from gradlane.scheduling.loss import LossPolicy
+    from gradlane.transport.config import TransportConfig
+    from gradlane.transport.core.receiver import InKey, ReceiverCore
 
     cfg = TransportConfig(job=JOB)
     events: list = []

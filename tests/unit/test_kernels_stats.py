@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.transport import kernels
+from gradlane.transport.wire.header import N_REASONS, DType
+from gradlane.transport.wire.tag import TagKey
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,9 +22,6 @@ from tests.unit.test_kernels import (
     shard,
     transfer,
 )
-from transport import kernels
-from transport.packet import N_REASONS, DType
-from transport.tag import TagKey
 
 
 @SETTINGS

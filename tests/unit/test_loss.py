@@ -1,4 +1,4 @@
-"""Unit and property tests of scheduling.loss: completion decisions, need order, deadlines."""
+"""Unit and property tests of gradlane.scheduling.loss: completion, need order, deadlines."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from gradlane.scheduling.errors import ConfigError
+from gradlane.scheduling.loss import Decision, LossConfig, LossPolicy, Verdict, _budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from scheduling.errors import ConfigError
-from scheduling.loss import Decision, LossConfig, LossPolicy, Verdict, _budget
 
 DETERMINISTIC = settings(derandomize=True, deadline=None, max_examples=300)
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from transport.engine import _LossyArena
+from gradlane.transport.drivers.udp.plane import _LossyArena
 
 
 class _Arena:
-    """The endpoint's side of :class:`transport.udp.RxArena`: rows, the first free one, and
-    what was committed."""
+    """The endpoint's side of :class:`gradlane.transport.drivers.udp.sockets.RxArena`: rows, the
+    first free one, and what was committed."""
 
     def __init__(self, rows: int, width: int) -> None:
         self.rx_arena = np.zeros((rows, width), dtype=np.uint8)

@@ -1,4 +1,5 @@
-"""Unit tests of bench.netsim: timing, queues, priorities, impairments, cross traffic, the driver.
+"""Unit tests of gradlane.bench.sim.simulator: timing, queues, priorities, impairments, cross
+traffic, the driver.
 
 The endpoints here are toys written for the tests (the real protocol cores have their own
 tests): a sender that hands out scheduled datagrams, a recorder, and a reliable sender/ACKer
@@ -15,10 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from bench.netsim import (
+from gradlane.bench.sim.simulator import (
     Network,
     Simulation,
     SimulationError,
@@ -28,8 +26,10 @@ from bench.netsim import (
     pair,
     star,
 )
-from scheduling.errors import ConfigError
-from transport.events import Datagram
+from gradlane.scheduling.errors import ConfigError
+from gradlane.transport.core.events import Datagram
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 _HDR = struct.Struct("<BIIdB")  # kind, src, seq, send time, class
 DATA, ACK = 0, 1

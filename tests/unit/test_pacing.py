@@ -1,15 +1,12 @@
-"""Unit tests of scheduling.pacing: controllers, registry and the token bucket."""
+"""Unit tests of gradlane.scheduling.pacing: controllers, registry and the token bucket."""
 
 from __future__ import annotations
 
 import copy
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from scheduling.errors import ConfigError
-from scheduling.pacing import (
+from gradlane.scheduling.errors import ConfigError
+from gradlane.scheduling.pacing import (
     CongestionController,
     FixedRate,
     LossTolerant,
@@ -19,6 +16,8 @@ from scheduling.pacing import (
     make_controller,
     register_controller,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 DETERMINISTIC = settings(derandomize=True, deadline=None, max_examples=200)
 RATE = 1e8

@@ -1,14 +1,11 @@
-"""The wire format (transport/packet.py) and the integrity tags (transport/tag.py)."""
+"""The wire format (transport/wire/header.py) and the integrity tags (transport/wire/tag.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from transport.errors import ProtocolError
-from transport.packet import (
+from gradlane.transport.errors import ProtocolError
+from gradlane.transport.wire.header import (
     HEADER_DTYPE,
     HEADER_SIZE,
     MAGIC,
@@ -31,7 +28,16 @@ from transport.packet import (
     validate,
     validate_data_rows,
 )
-from transport.tag import TAG_FAST, TAG_SIPHASH, TagKey, fast_tag, packet_tag, siphash24
+from gradlane.transport.wire.tag import (
+    TAG_FAST,
+    TAG_SIPHASH,
+    TagKey,
+    fast_tag,
+    packet_tag,
+    siphash24,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 SETTINGS = settings(
     max_examples=200,
@@ -127,8 +133,8 @@ def test_encode_decode_round_trip(fields: dict, payload: bytes, key: TagKey) -> 
 def test_control_packets_encode_as_their_header_says(fields: dict, payload: bytes) -> None:
     """The endpoint builds control packets from plain values (no Header per packet): the bytes
     are encode()'s for the same Header, and header_fields() reads every field back."""
-    from transport.config import TransportConfig
-    from transport.endpoint import Endpoint
+    from gradlane.transport.config import TransportConfig
+    from gradlane.transport.core.endpoint import Endpoint
 
     ep = Endpoint(2, 4, TransportConfig(job=77))
     f = dict(fields)
@@ -442,7 +448,7 @@ def test_batch_framing_equals_validate(packets: list) -> None:
     """The endpoint's one-pass framing kernel counts, for every datagram failing one of
     validate()'s framing checks, the reason validate gives; every other datagram lands in the
     DATA or control list by its kind, and the DATA rows' key says whether they mix transfers."""
-    from transport._kernels_batch import frame_rows
+    from gradlane.transport.kernels.batch import frame_rows
 
     width = HEADER_SIZE + 40
     arena = np.zeros((len(packets), width), dtype=np.uint8)
@@ -499,7 +505,7 @@ def test_batch_framing_equals_validate(packets: list) -> None:
 def test_mixed_batch_groups_by_transfer_in_batch_order(keys: list, rnd) -> None:
     """The endpoint splits a batch's DATA rows by transfer key: one group per distinct key, in
     key order, each group's rows in batch order (no two keys share a packed value)."""
-    from transport.endpoint import Endpoint
+    from gradlane.transport.core.endpoint import Endpoint
 
     arena = np.zeros((len(keys) + 3, HEADER_SIZE), dtype=np.uint8)
     hv = np.frombuffer(arena, HEADER_DTYPE)  # one header record per row

@@ -1,15 +1,15 @@
-"""Unit tests of scheduling.paths: splitting, rate estimation, failure and recovery."""
+"""Unit tests of gradlane.scheduling.paths: splitting, rate estimation, failure and recovery."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.scheduling.errors import ConfigError
+from gradlane.scheduling.paths import PathConfig, PathSet, PathState
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduling.errors import ConfigError
-from scheduling.paths import PathConfig, PathSet, PathState
-from tests.unit import naive
+from tests.support import naive
 
 DETERMINISTIC = settings(derandomize=True, deadline=None, max_examples=100)
 PKT = 1000
@@ -598,7 +598,7 @@ def test_compiled_assign_matches_the_numpy_reference(
 
 def test_kernel_sum_is_numpys_pairwise_sum() -> None:
     """The kernels' batch and weight sums round exactly as ``ndarray.sum`` (pairwise) does."""
-    from scheduling._path_kernels import _np_sum
+    from gradlane.scheduling._kernels.paths import _np_sum
 
     gen = np.random.default_rng(7)
     for n in [*range(0, 300), 1000, 4097, 10_000]:

@@ -1,15 +1,12 @@
-"""Unit tests of scheduling.priority: config validation, the built-in policies, send order."""
+"""Unit tests of gradlane.scheduling.priority: config validation, the built-in policies, send
+order."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
-
-from scheduling.errors import ConfigError, GradlaneError
-from scheduling.priority import (
+from gradlane.scheduling.errors import ConfigError, GradlaneError
+from gradlane.scheduling.priority import (
     Classes,
     PriorityConfig,
     PriorityPolicy,
@@ -18,6 +15,9 @@ from scheduling.priority import (
     register_priority_policy,
     send_order_key,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 DETERMINISTIC = settings(derandomize=True, deadline=None, max_examples=200)
 

@@ -1,4 +1,4 @@
-"""Synthetic traces (bench/synth_trace.py): real DDP buckets, the trace format, the timing."""
+"""Synthetic traces (bench/replay/synth.py): real DDP buckets, the trace format, the timing."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from gradlane.bench.demo.models import big_mlp
+from gradlane.bench.replay.synth import SynthSpec, load_params, main, model_params, synth_records
+from gradlane.integrations.trace import read_trace
 from torch.nn.parallel import DistributedDataParallel
-
-from bench.ddp_models import big_mlp
-from bench.synth_trace import SynthSpec, load_params, main, model_params, synth_records
-from integrations.trace import read_trace
 
 from .test_traces import BUCKET_FIELDS
 
@@ -71,7 +70,7 @@ def test_records_follow_the_trace_format(tmp_path):
                  "--seed", "3"]) == 0  # fmt: skip
     metas, buckets = read_trace(path)
     assert len(metas) == 1 and metas[0]["synthetic"] and metas[0]["params"] == 22_510
-    assert metas[0]["command"].startswith("python -m bench.synth_trace")
+    assert metas[0]["command"].startswith("python -m gradlane.bench.replay.synth")
     assert buckets == synth_records(params, spec)[1:]  # seeded: the same trace every time
     per = {}
     for r in buckets:

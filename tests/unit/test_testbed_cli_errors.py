@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from bench import testbed
-from integrations.cli import main
+from gradlane.bench.testbed import netns as testbed
+from gradlane.integrations.cli.main import main
 
 
 @pytest.fixture
@@ -25,7 +24,7 @@ def test_demo_on_the_testbed_needs_root(no_testbed, capsys):
 
 
 def test_replay_on_the_testbed_needs_root(no_testbed, capsys):
-    trace = str(Path(__file__).resolve().parents[2] / "bench" / "traces" / "mlp.jsonl")
+    trace = str(Path(__file__).resolve().parents[2] / "bench" / "replay" / "traces" / "mlp.jsonl")
     assert main(["bench", "replay", trace, "--network", "testbed", "--steps", "1"]) == 2
     assert "the testbed needs root" in capsys.readouterr().err
 
@@ -34,7 +33,7 @@ def test_replay_rejects_a_bad_transport_setting_before_building_anything(monkeyp
     built = []
     monkeypatch.setattr(testbed, "privilege", lambda: "root")
     monkeypatch.setattr(testbed.Testbed, "up", built.append)
-    trace = str(Path(__file__).resolve().parents[2] / "bench" / "traces" / "mlp.jsonl")
+    trace = str(Path(__file__).resolve().parents[2] / "bench" / "replay" / "traces" / "mlp.jsonl")
     args = ["bench", "replay", trace, "--network", "testbed", "--set", "tick_ms=5"]
     assert main(args) == 2
     assert "unknown setting 'tick_ms'" in capsys.readouterr().err and not built

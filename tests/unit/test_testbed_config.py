@@ -6,13 +6,12 @@ import json
 import re
 
 import pytest
-
-from bench.crosstraffic import FlowSpec
-from bench.impair import ImpairSpec
-from bench.testbed import ECMP_IFNAME, TestbedSpec, ip_plan, path_addr
-from bench.testbed_tc import PortShape, class_table, parse_qdisc_stats, port_commands
-from scheduling.priority import PriorityConfig
-from transport.errors import ConfigError
+from gradlane.bench.testbed.crosstraffic import FlowSpec
+from gradlane.bench.testbed.impair import ImpairSpec
+from gradlane.bench.testbed.netns import ECMP_IFNAME, TestbedSpec, ip_plan, path_addr
+from gradlane.bench.testbed.tc import PortShape, class_table, parse_qdisc_stats, port_commands
+from gradlane.scheduling.priority import PriorityConfig
+from gradlane.transport.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The traces shipped under ``bench/traces/`` follow the documented format (README, trace.py)."""
+"""The traces shipped under ``bench/replay/traces/`` follow the documented format (README,
+trace.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-TRACES = Path(__file__).resolve().parents[2] / "bench" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "bench" / "replay" / "traces"
 BUCKET_FIELDS = {
     "kind", "rank", "step", "bucket", "bytes", "numel", "dtype", "params", "layer_span",
     "ready_s", "gap_s", "comm_s", "last", "ok",

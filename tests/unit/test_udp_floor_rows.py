@@ -1,12 +1,11 @@
-"""The batched UDP floor's compiled pass (``bench.udp_floor._apply_rows``): which rows it adds,
-copies, skips, and keeps for the next repetition (a DDP hook's buckets follow each other, so a
-peer may already send the next bucket's datagrams)."""
+"""The batched UDP floor's compiled pass (``gradlane.bench.perf.udp_floor._apply_rows``): which rows
+it adds, copies, skips, and keeps for the next repetition (a DDP hook's buckets follow each other,
+so a peer may already send the next bucket's datagrams)."""
 
 from __future__ import annotations
 
 import numpy as np
-
-from bench.udp_floor import HDR, HDR_BYTES, _apply_rows
+from gradlane.bench.perf.udp_floor import HDR, HDR_BYTES, _apply_rows
 
 
 def _rows(specs: list[tuple[int, int, int, np.ndarray]], width: int = 64) -> np.ndarray:

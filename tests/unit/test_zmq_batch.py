@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradlane.transport.core.events import DatagramRun
+from gradlane.transport.drivers.zmq import frames as zb
+from gradlane.transport.wire.header import HEADER_SIZE, MAGIC
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from transport import zmq_batch as zb
-from transport.events import DatagramRun
-from transport.packet import HEADER_SIZE, MAGIC
 
 HB = HEADER_SIZE
 

@@ -1,0 +1,322 @@
+"""``gradlane demo``: the main job, side by side.
+
+Default (``--network loopback``): real DDP training. ``--ranks`` processes on this machine train
+a model on scikit-learn's digits twice — with DDP's default gloo all-reduce hook, then with the
+gradlane hook over UDP (a loss bound, and ``--inject-loss`` of the received datagrams dropped at
+random with a fixed seed, since loopback never loses) — and print a table: test accuracy, step
+and communication time percentiles, delivered fraction, retransmissions
+(:mod:`gradlane.bench.demo.training` does the work).
+
+``--network testbed``: the same DDP training across an emulated congested leaf-spine
+(:mod:`gradlane.bench.demo.testbed`; root): one rank per testbed host, each inside its host's
+network namespace, UDP cross traffic at ``--congest`` of a link through spine 0; gloo over the
+hosts' path-0 addresses (through that spine), gradlane over both paths, no injected loss.
+
+``--network sim``: the all-reduce part of training on the simulated 8-rank leaf-spine (the real
+protocol cores, a simulated clock) with cross traffic on one spine link: the TCP-like baseline
+(no priorities, fully reliable, one hashed path per rank pair) against gradlane (priorities by
+layer and magnitude, a 2% loss bound, per-packet multipath).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from gradlane.integrations.cli.main import emit, progress
+
+__all__ = ["add_arguments", "run"]
+
+#: What the demo trains, in words.
+_MODEL_TEXT = {
+    "mlp": "an MLP (64-256-256-10, 85,002 parameters)",
+    "cnn": "a CNN (2 conv + 2 linear layers, 38,282 parameters)",
+}
+#: Defaults that differ between the networks.
+_DEFAULTS = {
+    "loopback": {"ranks": 4, "steps": 200, "loss_bound": 0.05, "congest": 0.8},
+    "sim": {"ranks": 8, "steps": 8, "loss_bound": 0.02, "congest": 0.8},
+    "testbed": {"ranks": 4, "steps": 100, "loss_bound": 0.02, "congest": 0.7},
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``gradlane demo``."""
+    p.add_argument(
+        "--network",
+        choices=("loopback", "sim", "testbed"),
+        default="loopback",
+        help="loopback: real DDP training in processes on this machine (default); "
+        "testbed: the same across an emulated congested leaf-spine (root); "
+        "sim: the all-reduce on the simulated leaf-spine",
+    )
+    p.add_argument("--ranks", type=int, help="ranks (default 4; sim: 8; testbed: hosts, 4)")
+    p.add_argument("--steps", type=int, help="training steps (default 200; sim: 8; testbed: 100)")
+    p.add_argument(
+        "--model", choices=("mlp", "cnn"), default="mlp", help="the digits model (default mlp)"
+    )
+    p.add_argument(
+        "--loss-bound",
+        type=float,
+        help="gradlane's loss bound (default 0.05; sim, testbed: 0.02)",
+    )
+    p.add_argument(
+        "--inject-loss",
+        type=float,
+        default=0.05,
+        help="fraction of the datagrams each rank receives that gradlane drops at random, "
+        "seeded (default 0.05; udp only)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("udp", "zmq"),
+        default="udp",
+        help="gradlane's data plane: udp (bounded loss) or zmq (reliable, TCP)",
+    )
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    sim = p.add_argument_group("--network sim and testbed")
+    sim.add_argument(
+        "--congest",
+        type=float,
+        help="cross traffic on one spine link, fraction of its rate (default 0.8; testbed 0.7)",
+    )
+    sim.add_argument(
+        "--link-mbit", type=float, default=1000.0, help="testbed link rate (default 1000)"
+    )
+    sim.add_argument("--bursty", action="store_true", help="on/off bursts of cross traffic")
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    for name, value in _DEFAULTS[args.network].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison the options ask for and print it."""
+    _resolve(args)
+    if args.network == "sim":
+        return _run_sim(args)
+    if args.network == "testbed":
+        return _run_testbed(args)
+    return _run_ddp(args)
+
+
+def _run_ddp(args: argparse.Namespace) -> int:
+    from gradlane.bench.demo.training import DemoError, DemoOptions, run_demo
+
+    inject = args.inject_loss if args.transport == "udp" else 0.0
+    bound = args.loss_bound if args.transport == "udp" else 0.0
+    opts = DemoOptions(
+        ranks=args.ranks,
+        steps=args.steps,
+        model=args.model,
+        loss_bound=bound,
+        inject_loss=inject,
+        transport=args.transport,
+        seed=args.seed,
+    )
+    if not 0.0 <= inject < 1.0 or not 0.0 <= bound <= 0.5 or opts.ranks < 2:
+        emit("gradlane demo: needs --ranks >= 2, --inject-loss in [0, 1), --loss-bound in [0, 0.5]")
+        return 2
+    emit(
+        f"gradlane demo: {opts.ranks} ranks train {_MODEL_TEXT[opts.model]} with DDP over loopback"
+    )
+    emit(
+        f"on scikit-learn's digits (1437 train / 360 test images), {opts.steps} steps of "
+        f"{opts.ranks}x{opts.batch} images, twice:"
+    )
+    emit("  gloo      DDP's default all-reduce hook (gloo, TCP, lossless loopback)")
+    if opts.transport == "udp":
+        emit(
+            f"  gradlane  gradlane hook over UDP, 2 paths, loss bound {bound:g}; "
+            f"{inject:.0%} of received datagrams dropped at random (seed {opts.seed})"
+        )
+    else:
+        emit("  gradlane  gradlane hook over ZeroMQ (TCP), reliable")
+    if args.transport == "zmq" and args.inject_loss:
+        emit("  (--inject-loss and --loss-bound apply to udp only: ZeroMQ is reliable)")
+
+    try:
+        out = run_demo(opts, _progress_bar())
+    except (DemoError, ValueError) as e:
+        emit(f"gradlane demo failed: {e}", err=True)
+        return 1
+    return _report(out, args)
+
+
+def _report(out: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print the side-by-side table and write ``--json``; the exit code of a finished run."""
+    _table(out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=float)
+    return 0
+
+
+def _progress_bar() -> Callable[[str, int, int], None]:
+    """A progress callback drawing one bar per run on stderr."""
+    started: dict[str, float] = {}
+
+    def on_progress(run_name: str, step: int, steps: int) -> None:
+        started.setdefault(run_name, time.perf_counter())
+        width = 30
+        filled = width * step // steps
+        bar = "#" * filled + "-" * (width - filled)
+        done = step == steps
+        took = f"  {time.perf_counter() - started[run_name]:.1f} s" if done else ""
+        progress(f"  [{bar}] {run_name:<8} {step:>4}/{steps}{took}", done=done)
+
+    return on_progress
+
+
+def _run_testbed(args: argparse.Namespace) -> int:
+    from gradlane.bench.demo.testbed import TestbedDemo, run_testbed_demo
+    from gradlane.bench.demo.training import DemoError, DemoOptions
+    from gradlane.bench.replay.rank_pipes import RankError
+    from gradlane.transport.errors import GradlaneError
+
+    if args.transport != "udp" or not 0.0 <= args.loss_bound <= 0.5 or args.ranks < 2:
+        emit("gradlane demo --network testbed: needs --transport udp, --ranks >= 2 (hosts), "
+             "--loss-bound in [0, 0.5]", err=True)  # fmt: skip
+        return 2
+    opts = DemoOptions(
+        ranks=args.ranks,
+        steps=args.steps,
+        model=args.model,
+        loss_bound=args.loss_bound,
+        inject_loss=0.0,
+        seed=args.seed,
+        chunk_bytes=8192,
+    )
+    tb = TestbedDemo(hosts=args.ranks, link_mbit=args.link_mbit, cross=args.congest)
+    emit(
+        f"gradlane demo: {tb.hosts} hosts of an emulated leaf-spine (network namespaces, 2 "
+        f"spines, {tb.link_mbit:g} Mbit/s links), UDP cross traffic at {tb.cross:.0%} of a "
+        "link through spine 0;"
+    )
+    emit(
+        f"one rank per host trains {_MODEL_TEXT[opts.model]} with DDP on scikit-learn's "
+        f"digits, {opts.steps} steps of {opts.ranks}x{opts.batch} images, twice:"
+    )
+    emit("  gloo      DDP's default all-reduce hook (gloo, TCP over path 0, through spine 0)")
+    emit(f"  gradlane  gradlane hook over UDP, both paths, loss bound {opts.loss_bound:g}")
+    try:
+        out = run_testbed_demo(opts, tb, _progress_bar())
+    except (DemoError, RankError, ValueError) as e:
+        emit(f"gradlane demo failed: {e}", err=True)
+        return 1
+    except GradlaneError as e:  # TestbedUnavailable: not root (it says so), a testbed error
+        emit(f"gradlane demo --network testbed: {e}", err=True)
+        return 2
+    return _report(out, args)
+
+
+def _table(out: dict[str, Any]) -> None:
+    g, d = out["runs"]["gloo"], out["runs"]["gradlane"]
+    opts = out["options"]
+    line = "{:<32}{:>16}{:>16}"
+    emit("")
+    emit(line.format("", "gloo (default)", f"gradlane {opts['transport']}"))
+    emit(
+        line.format(
+            "final test accuracy (%)", f"{g['accuracy_mean']:.2f}", f"{d['accuracy_mean']:.2f}"
+        )
+    )
+    for label, key in (
+        ("step time p50 (ms)", "step_p50_s"),
+        ("step time p99 (ms)", "step_p99_s"),
+        ("comm time p50 (ms)", "comm_p50_s"),
+        ("comm time p99 (ms)", "comm_p99_s"),
+    ):
+        emit(line.format(label, f"{g[key] * 1e3:.2f}", f"{d[key] * 1e3:.2f}"))
+    emit(
+        line.format(
+            "delivered fraction (mean/min)",
+            "1 (TCP)",
+            f"{d['delivered_fraction_mean']:.4f}/{d['delivered_fraction_min']:.3f}",
+        )
+    )
+    emit(line.format("retransmitted chunks", "n/a", str(d["retransmitted"])))
+    emit(line.format("degraded buckets", "-", str(d["degraded_buckets"])))
+    emit(line.format("datagrams dropped on purpose", "-", str(d["injected_drops"])))
+    w = opts["warmup_steps"]
+    emit("")
+    emit("accuracy: mean over the ranks, on the 360 held-out images")
+    emit(
+        f"times: per step the slowest rank, steps {w + 1}..{opts['steps']} (the first {w} "
+        "rebuild DDP's buckets);"
+    )
+    emit("       comm: from the first bucket ready to the last bucket reduced")
+    emit(f"retransmissions and drops: all ranks together; {out['wall_s']:.0f} s wall")
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from gradlane.bench.sim.scenarios import CONFIGS, NetSpec, Workload, run_config
+
+    net = NetSpec(ranks=args.ranks, congest=args.congest, bursty=args.bursty)
+    work = Workload()
+    base_cfg = CONFIGS[0]
+    full_cfg = CONFIGS[-1]
+    if args.loss_bound != full_cfg.loss_bound:
+        full_cfg = replace(full_cfg, loss_bound=args.loss_bound)
+    emit(
+        f"gradlane demo: {args.ranks} ranks on a simulated leaf-spine (2 spines, 10 Gb/s hosts), "
+        f"{args.congest:.0%} cross traffic on one spine link; {args.steps} steps of "
+        f"{sum(work.bucket_elems) * 4 / 1e6:.1f} MB of gradients in {work.n_buckets} buckets"
+    )
+    t0 = time.perf_counter()
+    rows = []
+    for cfg in (base_cfg, full_cfg):
+        rows.append(
+            run_config(cfg, net, work, args.steps, args.seed, chunk_bytes=2048, progress=True)
+        )
+    base, full = rows
+    emit("")
+    emit(f"{'':<28}{'baseline (TCP-like)':>22}{'gradlane':>14}")
+    line = "{:<28}{:>22}{:>14}"
+    for label, key, fmt in (
+        ("step comm time p50 (ms)", ("step_s", "p50"), "{:.2f}"),
+        ("step comm time p99 (ms)", ("step_s", "p99"), "{:.2f}"),
+        ("step comm time max (ms)", ("step_s", "max"), "{:.2f}"),
+        ("front layers ready (ms)", ("front_bucket_done_p50_s",), "{:.2f}"),
+    ):
+        vals = []
+        for r in rows:
+            v = r[key[0]] if len(key) == 1 else r[key[0]][key[1]]
+            vals.append(fmt.format(v * 1e3))
+        emit(line.format(label, *vals))
+    emit(
+        line.format(
+            "delivered fraction (min)",
+            f"{base['delivered_fraction_min']:.4f}",
+            f"{full['delivered_fraction_min']:.4f}",
+        )
+    )
+    emit(
+        line.format(
+            "gradient rel. error (max)",
+            f"{base['rel_error_max']:.1e}",
+            f"{full['rel_error_max']:.1e}",
+        )
+    )
+    ratio = full["step_s"]["p99"] / base["step_s"]["p99"]
+    emit(
+        f"\ngradlane p99 step communication time = {ratio:.2f}x the baseline's "
+        f"({time.perf_counter() - t0:.0f} s wall)"
+    )
+    if args.json:
+        summary = {
+            "step_p99_baseline_s": base["step_s"]["p99"],
+            "step_p99_gradlane_s": full["step_s"]["p99"],
+            "p99_ratio": ratio,
+            "delivered_fraction": full["delivered_fraction_min"],
+        }
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "results": rows}, f, indent=2, default=float)
+    return 0

@@ -1,0 +1,160 @@
+"""``gradlane demo --network testbed``: the demo's DDP training across a congested testbed.
+
+:func:`run_testbed_demo` brings up a leaf-spine testbed (:mod:`gradlane.bench.testbed.netns`; root,
+or unprivileged user namespaces), starts UDP cross traffic through spine 0, and runs one rank per
+host *inside the host's namespace* (``python -m gradlane.bench.demo.testbed``, talking to the parent
+through :mod:`gradlane.bench.replay.rank_pipes`). Every rank trains the demo's model twice from the
+same initialisation on the same batches (:func:`gradlane.bench.demo.training._train`): with DDP's
+default hook (gloo over TCP on the hosts' path-0 addresses, i.e. through the congested spine, like
+any single-path job) and with the gradlane hook over both paths (the replay's testbed transport
+config, ``gradlane.bench.replay.run.TESTBED_TRANSPORT``: MTU-sized chunks, fixed pacing at a share
+of the link, priorities, the loss bound). No loss is
+injected: what is lost, the network lost. The comparison is the loopback demo's
+(:func:`gradlane.bench.demo.training._compare`); the testbed is torn down whatever happens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from functools import partial
+from typing import Any
+
+from gradlane.bench.demo.training import RUNS, DemoOptions, _compare, _train
+from gradlane.bench.replay.rank import NetParams, ReplayConfig, ifname_of, transport_config
+from gradlane.bench.replay.rank_pipes import RankPipes, say
+
+__all__ = ["TestbedDemo", "main", "run_testbed_demo"]
+
+#: Seconds without a word from any rank before the demo gives up.
+SILENCE_S = 180.0
+MASTER_PORT = 29410
+
+
+class TestbedDemo:
+    """What the testbed looks like for the demo."""
+
+    __test__ = False
+
+    def __init__(
+        self, hosts: int = 4, link_mbit: float = 1000.0, cross: float = 0.7, queue: int = 1000
+    ) -> None:
+        self.hosts, self.link_mbit, self.cross, self.queue = hosts, link_mbit, cross, queue
+
+
+def run_testbed_demo(
+    opts: DemoOptions,
+    tb: TestbedDemo,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Train twice on a congested testbed, one rank per host; returns the comparison."""
+    from gradlane.bench.replay.run import TESTBED_TRANSPORT, TestbedNetwork
+    from gradlane.bench.testbed.netns import Testbed, TestbedSpec, privilege
+
+    if opts.transport != "udp":
+        raise ValueError("the testbed demo runs gradlane over UDP (its multipath data plane)")
+    if opts.steps <= opts.warmup_steps:
+        raise ValueError(f"--steps must be more than the {opts.warmup_steps} warm-up steps")
+    privilege()  # TestbedUnavailable names what is missing (root)
+    opts = replace(opts, ranks=tb.hosts, inject_loss=0.0)
+    spec = TestbedSpec(
+        hosts=tb.hosts,
+        spines=2,
+        link_mbit=tb.link_mbit,
+        queue_packets=tb.queue,
+        prefix=f"dm{os.getpid() % 1_000_000}",
+    )
+    results: dict[str, dict[int, dict[str, Any]]] = {run: {} for run in RUNS}
+    t0 = time.perf_counter()
+    with Testbed(spec) as bed:
+        net = TestbedNetwork(bed, master_port=MASTER_PORT, **TESTBED_TRANSPORT)
+        if tb.cross > 0:
+            bed.cross_traffic(0, tb.cross * tb.link_mbit)
+        master = list(net.master())
+        jobs = [
+            {
+                "rank": r,
+                "world": tb.hosts,
+                "master": master,
+                "addrs": net.addrs(r),
+                "net": asdict(replace(net.params, hard_deadline_s=opts.hard_deadline_s)),
+                "opts": asdict(opts),
+            }
+            for r in range(tb.hosts)
+        ]
+        with RankPipes() as ranks:
+            ranks.start([partial(net.popen, r) for r in range(tb.hosts)], __name__, jobs)
+            for rank, msg in ranks.messages(opts.timeout_s, SILENCE_S):
+                if msg["type"] == "progress" and on_progress is not None:
+                    on_progress(msg["run"], msg["step"], opts.steps)
+                elif msg["type"] == "result":
+                    results[msg["run"]][rank] = msg["out"]
+        description = net.description
+    out = _compare(opts, results)
+    out["wall_s"] = time.perf_counter() - t0
+    out["network"] = f"{description}; UDP cross traffic at {tb.cross:.0%} of a link through spine 0"
+    return out
+
+
+# -- rank process ----------------------------------------------------------------------------------
+class _Up:
+    """The ``up`` queue of :func:`gradlane.bench.demo.training._train`, as stdout lines."""
+
+    def put(self, msg: tuple[Any, ...]) -> None:
+        say(type=msg[0], run=msg[1], step=msg[2])
+
+
+def _rank(job: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    from gradlane.bench.demo.models import load_digits
+
+    rank, world, addrs = int(job["rank"]), int(job["world"]), list(job["addrs"])
+    opts = DemoOptions(**job["opts"])
+    master, port = job["master"]
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master, str(port)
+    ifname = ifname_of(addrs[0])
+    if ifname:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)  # gloo on path 0, like the store
+    torch.set_num_threads(1)
+    td = datetime.timedelta(seconds=120)
+    store = dist.TCPStore(master, int(port), world, rank == 0, timeout=td)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+    try:
+        net = NetParams(**job["net"])
+        cfg = ReplayConfig("udp", opts.loss_bound)
+        transport = transport_config(cfg, net, len(addrs), world, opts.seed * 1000 + rank)
+        data = load_digits(opts.seed)
+        for run in RUNS:
+            out = _train(run, rank, world, opts, data, _Up(), transport, tuple(addrs))
+            say(type="result", run=run, out=out)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    """Rank entry point: the job on stdin, messages on stdout (see
+    :mod:`gradlane.bench.replay.rank_pipes`)."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("gradlane.transport.drivers.udp.sockets").setLevel(logging.ERROR)
+    rank = None
+    try:
+        job = json.loads(sys.stdin.readline())
+        rank = job.get("rank")
+        _rank(job)
+    except BaseException as e:  # reported to the parent, which stops every rank
+        say(type="error", rank=rank, message=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
+        return 1
+    say(type="done", rank=rank)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Kernel throughput against NumPy's own copy and add on the same bytes, in the same run.
+
+``python -m gradlane.bench.perf.kernels --json out.json [--quick]``
+
+Each kernel runs interleaved with its NumPy baseline (``np.copyto`` of the same payload bytes into
+a preallocated buffer for send/place; ``dst += src`` on float32 arrays of the same element count
+for reduce), single-threaded, after a warm-up; the figures are medians. Throughput counts payload
+bytes (the shard), so the headers a kernel writes or reads on top are its own overhead.
+
+"send" is what a sender runs per shard: :func:`kernels.chunk_stats` (one read: norms and tag
+sums) and :func:`kernels.write_headers` (a 48-byte header per chunk; a SipHash key reads the
+payload again). The payload itself is never copied: the kernel's ``sendmmsg`` gathers it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from gradlane.transport import kernels
+from gradlane.transport.wire.header import (
+    HEADER_SIZE,
+    N_REASONS,
+    DType,
+    Header,
+    SessionSpec,
+    TransferSpec,
+)
+from gradlane.transport.wire.tag import TagKey
+
+MB = 1_000_000
+SIZES_MB = (25, 100)
+PAYLOADS = (8192, 1408)
+SECRET = "bench-secret"
+
+
+def _interleaved(
+    kernel: Callable[[], object],
+    baseline: Callable[[], object],
+    reps: int,
+    setup: Callable[[], object] | None = None,
+) -> tuple[float, float, float]:
+    """Median seconds of ``kernel`` and ``baseline`` run back to back, and the median of the
+    per-round throughput ratios (baseline time / kernel time), after one warm-up round.
+
+    The ratio of each adjacent pair is what the summary reports: on a shared machine the load
+    changes between rounds, and a pair run back to back sees the same load.
+    """
+    tk: list[float] = []
+    tb: list[float] = []
+    ratios: list[float] = []
+    for i in range(reps + 1):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        kernel()
+        t1 = time.perf_counter()
+        baseline()
+        t2 = time.perf_counter()
+        if i:  # the first round is the warm-up
+            tk.append(t1 - t0)
+            tb.append(t2 - t1)
+            ratios.append((t2 - t1) / (t1 - t0))
+    return statistics.median(tk), statistics.median(tb), statistics.median(ratios)
+
+
+def _solo(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> float:
+    ts: list[float] = []
+    for i in range(reps + 1):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _arena_for(n_elems: int, chunk_elems: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    n_chunks = -(-n_elems // chunk_elems)
+    width = 48 + chunk_elems * itemsize
+    width += (-width) % 8
+    return np.zeros((n_chunks, width), dtype=np.uint8), np.zeros(n_chunks, dtype=np.int64)
+
+
+def _row(results: list[dict[str, Any]], **fields: Any) -> None:
+    results.append(fields)
+    ratio = fields.get("ratio")
+    base = fields.get("baseline_GBps")
+    print(
+        f"{fields['kernel']:<16} {fields['size_MB']:>5} MB {fields.get('payload_B', '-'):>6} B "
+        f"{fields['GBps']:>8.2f} GB/s"
+        + (f"   {fields['baseline']:<10} {base:>8.2f} GB/s   x{ratio:.3f}" if ratio else "")
+    )
+
+
+def _pack_reduce_place(
+    src: np.ndarray,
+    other: np.ndarray,
+    size_mb: int,
+    payload: int,
+    reps: int,
+    results: list[dict[str, Any]],
+    summary: dict[str, float],
+) -> None:
+    """send / reduce_into / place_into (and at 25 MB the keyed and 16-bit sends) for one size."""
+    nbytes = src.nbytes
+    n = src.shape[0]
+    ce = payload // 4
+    tag = "" if payload == 8192 else f"_{payload}B"
+    copy_dst = np.empty_like(src)
+    iadd_dst = np.zeros_like(src)
+    arena, lengths = _arena_for(n, ce, 4)
+    header = Header(job=1, step=5, bucket=0, shard=0, src=1, dst=0)
+    fast, keyed = TagKey(), TagKey.from_secret(SECRET)
+
+    def do_send(key: TagKey = fast, data: np.ndarray = src, dtype: DType = DType.F32) -> int:
+        elems = payload // data.itemsize
+        stats = kernels.chunk_stats(data, dtype=dtype, chunk_elems=elems)
+        hdr = np.empty((stats.norms.shape[0], HEADER_SIZE), dtype=np.uint8)
+        zero = np.zeros(stats.norms.shape[0], dtype=np.uint8)
+        return kernels.write_headers(
+            hdr, data, stats, dtype=dtype, header=header, chunk_elems=elems, key=key,
+            prio=zero, flags=zero,
+        )  # fmt: skip
+
+    def do_copy() -> None:
+        np.copyto(copy_dst, src)
+
+    tk, tb, ratio = _interleaved(do_send, do_copy, reps)
+    _row(results, kernel="send", size_MB=size_mb, payload_B=payload, GBps=nbytes / tk / 1e9,
+         baseline="np.copyto", baseline_GBps=nbytes / tb / 1e9, ratio=ratio)  # fmt: skip
+    summary[f"send_vs_copy_{size_mb}MB{tag}"] = round(ratio, 3)
+
+    session = SessionSpec(job=1, me=0, world=2)
+    transfer = TransferSpec(
+        step=5, bucket=0, shard=0, phase=0, dtype=DType.F32, n_elems=n, chunk_elems=ce,
+        src_lo=0, src_hi=2,
+    )  # fmt: skip
+    # The packets the receive kernels take, as the wire carries them (untimed).
+    kernels.pack(src, arena, lengths, dtype=DType.F32, header=header, chunk_elems=ce, key=fast)
+    accum = np.zeros(n, dtype=np.float32)
+    out = np.empty(n, dtype=np.float32)
+    contrib = np.zeros(transfer.n_chunks, dtype=np.uint16)
+    received = np.zeros((2, transfer.n_chunks), dtype=np.uint8)
+    counters = np.zeros(N_REASONS, dtype=np.int64)
+
+    def reset() -> None:
+        received[:] = 0
+        contrib[:] = 0
+
+    def do_reduce() -> int:
+        return kernels.reduce_into(
+            arena, lengths, accum, contrib, received,
+            session=session, transfer=transfer, counters=counters,
+        )  # fmt: skip
+
+    def do_iadd() -> None:
+        iadd_dst.__iadd__(other)
+
+    def do_place() -> int:
+        return kernels.place_into(
+            arena, lengths, out, received, session=session, transfer=transfer, counters=counters
+        )
+
+    tk, tb, ratio = _interleaved(do_reduce, do_iadd, reps, setup=reset)
+    if counters[0] != (reps + 1) * transfer.n_chunks:
+        raise RuntimeError(f"reduce_into rejected packets: {counters.tolist()}")
+    _row(results, kernel="reduce_into", size_MB=size_mb, payload_B=payload,
+         GBps=nbytes / tk / 1e9, baseline="dst += src", baseline_GBps=nbytes / tb / 1e9,
+         ratio=ratio)  # fmt: skip
+    summary[f"reduce_vs_iadd_{size_mb}MB{tag}"] = round(ratio, 3)
+
+    tk, tb, ratio = _interleaved(do_place, do_copy, reps, setup=reset)
+    _row(results, kernel="place_into", size_MB=size_mb, payload_B=payload,
+         GBps=nbytes / tk / 1e9, baseline="np.copyto", baseline_GBps=nbytes / tb / 1e9,
+         ratio=ratio)  # fmt: skip
+    summary[f"place_vs_copy_{size_mb}MB{tag}"] = round(ratio, 3)
+    if size_mb != 25:
+        return
+
+    tk, tb, ratio = _interleaved(lambda: do_send(keyed), do_copy, reps)
+    _row(results, kernel="send_siphash", size_MB=size_mb, payload_B=payload,
+         GBps=nbytes / tk / 1e9, baseline="np.copyto", baseline_GBps=nbytes / tb / 1e9,
+         ratio=ratio)  # fmt: skip
+    summary[f"send_siphash_GBps_{size_mb}MB{tag}"] = round(nbytes / tk / 1e9, 2)
+
+    half = src.astype(np.float16).view(np.uint16)
+    for name, wire in (("send_bf16", DType.BF16), ("send_f16", DType.F16)):
+        t = _solo(functools.partial(do_send, fast, half, wire), reps)
+        _row(results, kernel=name, size_MB=size_mb, payload_B=payload,
+             GBps=half.nbytes / t / 1e9)  # fmt: skip
+        summary[f"{name}_GBps_{size_mb}MB{tag}"] = round(half.nbytes / t / 1e9, 2)
+
+
+def _hadamard(
+    src: np.ndarray,
+    size_mb: int,
+    reps: int,
+    results: list[dict[str, Any]],
+    summary: dict[str, float],
+) -> None:
+    nbytes = src.nbytes
+    work = src.copy()
+    t = _solo(lambda: kernels.hadamard_forward(work, seed=7, block=1024), reps)
+    _row(results, kernel="hadamard_fwd", size_MB=size_mb, GBps=nbytes / t / 1e9)
+    summary[f"hadamard_GBps_{size_mb}MB"] = round(nbytes / t / 1e9, 2)
+    t = _solo(lambda: kernels.hadamard_inverse(work, seed=7, block=1024), reps)
+    _row(results, kernel="hadamard_inv", size_MB=size_mb, GBps=nbytes / t / 1e9)
+    summary[f"hadamard_inv_GBps_{size_mb}MB"] = round(nbytes / t / 1e9, 2)
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """Run every benchmark; returns the JSON document (also printed as a table)."""
+    reps = 7 if quick else 21
+    rng = np.random.default_rng(0)
+    results: list[dict[str, Any]] = []
+    summary: dict[str, float] = {}
+    print(f"{'kernel':<16} {'size':>8} {'payload':>8} {'throughput':>13}   baseline")
+    for size_mb in SIZES_MB[:1] if quick else SIZES_MB:
+        n = size_mb * MB // 4
+        src = rng.standard_normal(n).astype(np.float32)
+        other = rng.standard_normal(n).astype(np.float32)
+        for payload in PAYLOADS:
+            _pack_reduce_place(src, other, size_mb, payload, reps, results, summary)
+        _hadamard(src, size_mb, reps, results, summary)
+    return {
+        "bench": "kernels",
+        "units": "GB/s = 1e9 payload bytes per second; ratio = median over rounds of "
+        "baseline time / kernel time, each round running the two back to back",
+        "machine": {
+            "python": sys.version.split()[0],
+            "numpy": np.__version__,
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+        },
+        "config": {"fastmath": kernels.CONFIG.fastmath, "reps": reps, "quick": quick},
+        "results": results,
+        "summary": summary,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="25 MB only, fewer repetitions")
+    args = parser.parse_args(argv)
+    doc = run(args.quick)
+    print(json.dumps(doc["summary"], indent=2))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""The ``gradlane`` command line: the entry point (:mod:`.main`) and the ``daemon`` and ``stats``
+subcommands."""

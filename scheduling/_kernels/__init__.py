@@ -1,0 +1,1 @@
+"""Compiled passes of the scheduling policies (private): loss decisions and path updates."""

@@ -1,0 +1,1 @@
+"""Helpers shared by the test tiers: in-memory wire, NumPy references, core drivers, processes."""

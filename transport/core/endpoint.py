@@ -1,0 +1,481 @@
+"""One rank's protocol endpoint: a batching receive path, a dispatch table, sender and receiver.
+
+The endpoint is the aioquic-shaped object a driver talks to (``receive_datagram``,
+``datagrams_to_send``, ``get_timer``, ``handle_timer``, ``next_event``). Received datagrams are
+copied into a small arena and processed in batches: framing checks are vectorised over the
+batch's headers, DATA rows are grouped by transfer and handed to one kernel call per group, and
+control packets (a few per hundred DATA) go through :func:`gradlane.transport.wire.header.validate`
+and a dispatch table keyed by :class:`~gradlane.transport.wire.header.Kind` (STYLE rule 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import numpy as np
+from gradlane.scheduling.loss import LossPolicy
+from gradlane.scheduling.pacing import Pacer
+from gradlane.scheduling.priority import make_priority_policy
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.events import Datagram, DatagramRun, Event
+from gradlane.transport.core.receiver import InKey, ReceiverCore
+from gradlane.transport.core.sender import OutKey, SenderCore
+from gradlane.transport.kernels.batch import frame_rows, group_rows
+from gradlane.transport.wire.header import (
+    HEADER_SIZE,
+    MAGIC,
+    N_REASONS,
+    VERSION,
+    DType,
+    Flags,
+    HeaderFields,
+    Kind,
+    Reason,
+    SessionSpec,
+    encode_values,
+    header_view,
+    validate,
+    validate_data_rows,
+)
+from gradlane.transport.wire.tag import TAG_FAST
+
+__all__ = ["Endpoint"]
+
+log = logging.getLogger(__name__)
+
+#: Rows of the receive arena: a batch is processed when it reaches the last row even if nobody
+#: asks. 512 slots of 65000-byte datagrams are 33 MB of address space, touched only as deep as
+#: batches go: with 256, a rank a whole scatter phase behind its peers (4 x 25 MB: ~290 early
+#: datagrams) had to copy the early data that did not fit in place.
+RX_BATCH = 512
+#: Fewest arena rows left above a batch whose early data the receiver may hold in place: the
+#: next batches go there (beyond it, early data is copied out of the arena).
+MIN_ROOM = 64
+_OK = int(Reason.OK)  # an int: comparing arrays with an enum member takes NumPy's slow path
+
+
+class Endpoint:
+    """Sender and receiver of one rank, behind the sans-I/O driver API."""
+
+    def __init__(
+        self,
+        me: int,
+        world: int,
+        config: TransportConfig | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        if not 0 <= me < world:
+            raise ValueError(f"rank {me} outside world of {world}")
+        self.me = me
+        self.world = world
+        self.config = cfg = config or TransportConfig()
+        self.rng = rng or np.random.default_rng(cfg.seed + me)
+        self.priority = make_priority_policy(cfg.priority)
+        self.loss = LossPolicy(cfg.loss)
+        self.key = cfg.tag_key
+        self._newest_step = 0
+        self.session = self._session()
+        control_tos = cfg.priority.tos(0)
+        self.sender = SenderCore(
+            me,
+            world,
+            cfg,
+            self.priority,
+            self.loss,
+            self.rng,
+            self._encode,
+            lambda: Pacer(cfg.pacing),
+        )
+        self._events: deque[Event] = deque()
+        self.receiver = ReceiverCore(
+            me, world, cfg, self.loss, self._encode_to, self._events.append, control_tos
+        )
+        self._rx = np.zeros((RX_BATCH, cfg.slot_bytes), dtype=np.uint8)
+        self._rx_len = np.zeros(RX_BATCH, dtype=np.int64)  # as the receive kernels read them
+        self._rx_path = np.zeros(RX_BATCH, dtype=np.int64)
+        # One writable view per arena row, for drivers that receive straight into the arena.
+        self._rx_rows = [row.data for row in self._rx]
+        self._rx_n = 0  # the next free row
+        self._rx_base = 0  # the current batch's first row (above rows held in place)
+        # Batches the receiver holds in place (early data): (end row, weak reference to the
+        # batch's arena view, which the receiver keeps for as long as it holds the rows).
+        self._pins: list[tuple[int, weakref.ref[np.ndarray]]] = []
+        self._batch_key = np.zeros(4, dtype=np.int64)  # frame_rows' key of a batch's DATA
+        self._rx_first = 0.0
+        self._drained_at: float | None = None  # a drain noted before its batch was processed
+        self._now = 0.0
+        self._control: list[Datagram] = []
+        self.counters = self.receiver.counters  # one set of reject counters per endpoint
+        self._dispatch: dict[int, Callable[[bytes, dict[str, int], int, float], None]] = {
+            Kind.ACK: self._on_ack,
+            Kind.NACK: self._on_nack,
+            Kind.STOP: self._on_stop,
+            Kind.PROBE: self._on_probe,
+            Kind.PROBE_ACK: self._on_probe_ack,
+            Kind.MANIFEST: self._on_receiver_control,
+            Kind.FIN: self._on_receiver_control,
+        }
+
+    # -- driver API ---------------------------------------------------------------------------
+    def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
+        """Queue one datagram; batches are processed before any output or event is produced."""
+        n = len(data)
+        if n <= self._rx.shape[1]:
+            self._rx[self._rx_n, :n] = np.frombuffer(data, dtype=np.uint8)
+        self.commit_datagram(n, path, now)
+
+    def rx_buffer(self) -> memoryview:
+        """Where the next datagram goes, for a zero-copy receive (``sock.recv_into``).
+
+        Write at most ``len(buffer)`` bytes into it, then call :meth:`commit_datagram`; the view
+        is only valid until then. Saves a copy and an allocation per datagram over
+        :meth:`receive_datagram`.
+        """
+        return self._rx_rows[self._rx_n]
+
+    def commit_datagram(self, nbytes: int, path: int, now: float) -> None:
+        """The datagram just written into :meth:`rx_buffer` is ``nbytes`` long (its real length:
+        a longer one than the buffer was truncated; the batch's checks count it as oversized)."""
+        i = self._rx_n
+        self._rx_len[i] = nbytes
+        self._rx_path[i] = path
+        self._committed(i, 1, now)
+
+    @property
+    def rx_arena(self) -> np.ndarray:
+        """The receive arena (one datagram per row, ``slot_bytes`` wide), for drivers that fill
+        several rows with one system call (``recvmmsg``); the free rows are
+        ``rx_arena[rx_free:]``. Fill some of them from the first, then :meth:`commit_datagrams`.
+        """
+        return self._rx
+
+    @property
+    def rx_free(self) -> int:
+        """The first free row of :attr:`rx_arena`."""
+        return self._rx_n
+
+    def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
+        """The ``len(lengths)`` datagrams just written into rows ``rx_free, rx_free + 1, ...``
+        of :attr:`rx_arena`, all from ``path``, have these real lengths (longer than a row:
+        truncated, counted as oversized). At most ``len(rx_arena) - rx_free`` of them."""
+        k = int(lengths.shape[0])
+        if k == 0:
+            return
+        i = self._rx_n
+        if i + k > self._rx.shape[0]:
+            raise ValueError(f"{k} datagrams committed with {self._rx.shape[0] - i} rows free")
+        self._rx_len[i : i + k] = lengths
+        self._rx_path[i : i + k] = path
+        self._committed(i, k, now)
+
+    def note_drained(self, now: float) -> None:
+        """The driver read every receive socket empty in a pass that began at ``now``: whatever
+        had reached this host before ``now`` has been committed. Drivers whose input can queue
+        unread (sockets) say so after each pass that emptied them all; the receiver then trusts
+        a sender's pass end only once such a pass began after it came (see
+        :mod:`gradlane.transport.core.receiver`). Drivers that never call this deliver everything at
+        once (in-memory wires)."""
+        if self._rx_n == self._rx_base:
+            self.receiver.note_drained(now)
+        else:  # once what was read is processed (it may wait for rx_coalesce_s)
+            self._drained_at = now
+
+    def _committed(self, first: int, k: int, now: float) -> None:
+        """Rows ``first .. first + k`` hold new datagrams: process the batch once it is full."""
+        self._now = now
+        self._rx_n = first + k
+        if first == self._rx_base:
+            self._rx_first = now
+        if self._rx_n == RX_BATCH:
+            self._flush(now)
+
+    def datagrams_to_send(
+        self, now: float, *, process_input: bool = True
+    ) -> list[Datagram | DatagramRun]:
+        """Receiver control (ACK/NACK/STOP), probe answers, then sender output.
+
+        Received datagrams whose coalescing window has passed are processed first, unless
+        ``process_input`` is False: a driver that just started a collective sends its first
+        datagrams before it spends time on a batch that is waiting (the peers wait on them).
+        """
+        self._now = now
+        if process_input and now >= self._rx_first + self.config.rx_coalesce_s:
+            self._flush(now)
+        out: list[Datagram | DatagramRun] = list(self.receiver.datagrams_to_send(now))
+        if self._control:
+            out.extend(self._control)
+            self._control = []
+        out.extend(self.sender.datagrams_to_send(now))
+        return out
+
+    def get_timer(self) -> float | None:
+        """When ``handle_timer`` must run next (now, if received datagrams await processing)."""
+        if self._rx_n > self._rx_base:
+            return self._rx_first + self.config.rx_coalesce_s
+        times = [t for t in (self.receiver.get_timer(), self.sender.get_timer()) if t is not None]
+        return min(times) if times else None
+
+    def handle_timer(self, now: float) -> None:
+        """Process pending input, then the receiver's and sender's time-driven work."""
+        self._now = now
+        self._flush(now)
+        self.receiver.handle_timer(now)
+        self.sender.handle_timer(now)
+
+    def pop_event(self) -> Event | None:
+        """Pop the next event already produced (received datagrams are left unprocessed)."""
+        return self._events.popleft() if self._events else None
+
+    def next_event(self) -> Event | None:
+        """Pop the next event (after processing input whose coalescing window has passed)."""
+        if self._now >= self._rx_first + self.config.rx_coalesce_s:
+            self._flush(self._now)
+        return self._events.popleft() if self._events else None
+
+    # -- helpers for collectives -------------------------------------------------------------
+    @property
+    def now(self) -> float:
+        """The latest time a driver (or a collective's start) passed in."""
+        return self._now
+
+    def note_time(self, now: float) -> None:
+        """A collective started at ``now``: later processing must not use an older time."""
+        self._now = max(self._now, now)
+
+    def note_step(self, step: int) -> None:
+        """Move the accepted step window forward when a newer step starts locally."""
+        if step > self._newest_step:
+            self._newest_step = step
+            self.session = self._session()
+
+    def stats(self) -> dict[str, object]:
+        """Reject counters by reason and a few totals (for logs and reports)."""
+        return {
+            "rejected": {
+                r.name.lower(): int(self.counters[r])
+                for r in Reason
+                if r != Reason.OK and self.counters[r]
+            },
+            "accepted": int(self.counters[Reason.OK]),
+            "late": self.receiver.late,
+            "early_dropped": self.receiver.early_dropped,
+            "early_expired": self.receiver.early_expired,
+        }
+
+    # -- internals ---------------------------------------------------------------------------
+    def _session(self) -> SessionSpec:
+        w = self.config.step_window
+        return SessionSpec(
+            job=self.config.job,
+            me=self.me,
+            world=self.world,
+            key=self.key,
+            step_lo=max(0, self._newest_step - w),
+            step_hi=self._newest_step + w,
+            max_datagram=self.config.slot_bytes,
+        )
+
+    def _encode(
+        self,
+        kind: int,
+        key: OutKey,
+        *,
+        chunk: int = 0,
+        count: int = 0,
+        payload: bytes = b"",
+        aux: int = 0,
+        flags: int = 0,
+    ) -> bytes:
+        return self._encode_to(
+            kind, key, key.dst, chunk=chunk, count=count, payload=payload, aux=aux, flags=flags
+        )
+
+    def _encode_to(
+        self,
+        kind: int,
+        key: tuple[int, ...],
+        dst: int,
+        *,
+        chunk: int = 0,
+        count: int = 0,
+        payload: bytes = b"",
+        aux: int = 0,
+        flags: int = 0,
+        norm: float = 0.0,
+    ) -> bytes:
+        # HEADER_DTYPE's order (tag left out): no Header object per control packet.
+        values = (
+            MAGIC, VERSION, kind, flags, 0, DType.F32, key[3], self.config.job, key[0], key[1],
+            key[2], self.me, dst, chunk, count, norm, aux,
+        )  # fmt: skip
+        return encode_values(values, payload, self.key)
+
+    def _flush(self, now: float) -> None:
+        b, e = self._rx_base, self._rx_n
+        if e == b:
+            return
+        self._rx_n = b  # a flush nested in this one finds nothing to do
+        arena = self._rx[b:e]
+        # Early data may stay in place only if the rows above this batch leave room for the
+        # next ones; otherwise the receiver copies it (as it always did before pinning).
+        pin = RX_BATCH - e >= MIN_ROOM
+        if self._process(arena, self._rx_len[b:e], self._rx_path[b:e], now, pin):
+            self._pins.append((e, weakref.ref(arena)))
+        del arena
+        if self._drained_at is not None:
+            self.receiver.note_drained(self._drained_at)
+            self._drained_at = None
+        # The next batch starts above every batch the receiver still holds in place (it
+        # drops a held batch when its collective starts or the data expires), else at the top.
+        self._pins = [(end, ref) for end, ref in self._pins if ref() is not None]
+        self._rx_base = self._rx_n = max((end for end, _ in self._pins), default=0)
+
+    def _process(
+        self, arena: np.ndarray, lengths: np.ndarray, paths: np.ndarray, now: float, pin: bool
+    ) -> bool:
+        """Process one batch of datagrams (with ``pin``, early data may be held in place);
+        True when the receiver holds some of its rows in place."""
+        n = arena.shape[0]
+        data_rows = np.empty(n, dtype=np.int64)
+        ctrl_rows = np.empty(n, dtype=np.int64)
+        key = self._batch_key
+        # Framing checks (validate()'s first six, in its order; failures counted) and the split
+        # into DATA and control rows, in one pass: see gradlane.transport.kernels.batch.
+        nd, nc, mixed = frame_rows(
+            arena, lengths, n, self.config.job, self.counters, data_rows, ctrl_rows, key
+        )
+        # The header records, made only when something reads them (DATA batches do not):
+        # control packets, or data of a transfer not running here.
+        hv = header_view(arena) if nc else None
+        if nd:
+            rows = data_rows[:nd]
+            if mixed:
+                groups = self._groups(arena, rows)
+            else:
+                groups = [(InKey(int(key[0]), int(key[1]), int(key[2]), int(key[3])), rows)]
+            pinned = self._flush_data(arena, lengths, paths, hv, groups, now, pin)
+        else:
+            pinned = False
+        if not nc:
+            return pinned
+        assert hv is not None
+        for i, n_i, path in zip(
+            ctrl_rows[:nc].tolist(),
+            lengths[ctrl_rows[:nc]].tolist(),
+            paths[ctrl_rows[:nc]].tolist(),
+            strict=True,
+        ):
+            raw = arena[i, :n_i].tobytes()
+            h = HeaderFields._make(hv[i].item())  # every field at once, as Python numbers
+            why = validate(raw, self.session, header=h)
+            if why != _OK:
+                self.counters[why] += 1
+                continue
+            self.counters[_OK] += 1
+            self._dispatch[h.kind](raw, h._asdict(), path, now)
+        return pinned
+
+    @staticmethod
+    def _groups(arena: np.ndarray, rows: np.ndarray) -> list[tuple[InKey, np.ndarray]]:
+        """DATA ``rows`` of ``arena`` grouped by transfer key (a batch that mixes transfers),
+        in key order, each group in batch order: one compiled pass (the NumPy version, a sort
+        of structured-record fields, cost ~40 µs a batch)."""
+        n = int(rows.shape[0])
+        out = np.empty(n, dtype=np.int64)  # fresh: held early data may keep a group's rows
+        keys = np.empty((n, 4), dtype=np.int64)
+        starts = np.empty(n + 1, dtype=np.int64)
+        g = group_rows(arena, rows, out, keys, starts)
+        bounds = starts[: g + 1].tolist()
+        return [
+            (InKey(*k), out[a:b])
+            for k, a, b in zip(keys[:g].tolist(), bounds[:-1], bounds[1:], strict=True)
+        ]
+
+    def _flush_data(
+        self,
+        arena: np.ndarray,
+        lengths: np.ndarray,
+        paths: np.ndarray,
+        hv: np.ndarray | None,
+        groups: Iterable[tuple[InKey, np.ndarray]],
+        now: float,
+        pin: bool,
+    ) -> bool:
+        """DATA rows to their transfers, or held as early data; True if any are held in place."""
+        pinned = False
+        for key, grp in groups:
+            t = self.receiver.transfers.get(key)
+            if t is not None:
+                self.receiver.on_data(t, arena, lengths, grp, paths, now, self.session)
+                continue
+            # Data for a transfer not running here is held (or answered with STOP), checked as a
+            # batch. Without a secret its tag is a checksum, which the receive kernel checks
+            # when held data is replayed: not computing it here saves a slow pass over each
+            # early 64 KB packet. With a secret, nothing unauthenticated is held or answered.
+            if hv is None:
+                hv = header_view(arena)
+            why = validate_data_rows(hv[grp], lengths[grp], self.session)
+            if self.key.mode != TAG_FAST:
+                for j, i in enumerate(grp.tolist()):
+                    if why[j] == _OK:
+                        why[j] = validate(arena[i, : lengths[i]], self.session)
+            bad = why != _OK
+            held = grp
+            if bad.any():
+                self.counters += np.bincount(why[bad], minlength=N_REASONS)[:N_REASONS]
+                held = grp[~bad]
+            if held.size:
+                pinned |= self.receiver.on_unknown_data(
+                    key, arena, lengths, paths, held, hv["src"][held], now, pin=pin
+                )
+        return pinned
+
+    # -- control handlers (dispatch table) -----------------------------------------------------
+    @staticmethod
+    def _bits(raw: bytes, count: int) -> np.ndarray:
+        return np.unpackbits(
+            np.frombuffer(raw, dtype=np.uint8, offset=HEADER_SIZE), count=count, bitorder="little"
+        ).astype(bool)
+
+    @staticmethod
+    def _out_key(f: dict[str, int]) -> OutKey:
+        return OutKey(f["step"], f["bucket"], f["shard"], f["phase"], f["src"])
+
+    def _on_ack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+        if f["flags"] & Flags.HELD:
+            self.sender.on_held(self._out_key(f))
+            return
+        bits = self._bits(raw, f["count"])
+        ack_delay = f["norm"]  # the receiver's hold time travels in the norm field
+        self.sender.on_ack(
+            self._out_key(f),
+            f["chunk"],
+            bits,
+            f["aux"],
+            bool(f["flags"] & Flags.PROTECTED),
+            now,
+            ack_delay=ack_delay if np.isfinite(ack_delay) and ack_delay >= 0 else 0.0,
+        )
+
+    def _on_nack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+        # aux: the newest chunk that reached the receiver from us, plus one (0: none yet).
+        bits = self._bits(raw, f["count"])
+        self.sender.on_nack(self._out_key(f), f["chunk"], bits, now, newest=f["aux"] - 1)
+
+    def _on_stop(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+        self.sender.on_stop(self._out_key(f))
+
+    def _on_probe(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+        # The probe's step (within our window, so within the prober's): not step 0, which
+        # falls out of every window 64 steps into a job.
+        reply = self._encode_to(Kind.PROBE_ACK, (f["step"], 0, 0, 0), f["src"], aux=f["aux"])
+        self._control.append(Datagram(reply, f["src"], path, self.config.priority.tos(0)))
+
+    def _on_probe_ack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+        self.sender.on_probe_ack(f["src"], path, f["aux"], now)
+
+    def _on_receiver_control(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+        self.receiver.on_control(raw, path, now, header=f)

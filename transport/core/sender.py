@@ -1,0 +1,765 @@
+"""Sans-I/O sender core: sends shards in priority order, retransmits what is missing.
+
+Theory of operation
+-------------------
+The per-chunk state of each outgoing transfer and its packet headers are
+:mod:`gradlane.transport.core.outgoing`'s; this module decides what goes out when. Sending order is
+global: a heap over transfers keyed by (class of the next chunk, layer position, creation order), so
+a front-layer bucket preempts a back-layer one and protected chunks of any bucket go first;
+retransmissions of a class go before new chunks of that class. Bytes toward a peer are paced
+per path and spread over paths by :class:`gradlane.scheduling.paths.PathSet`; the per-peer path
+state the sender keeps on top (RTOs, probes, control paths) is
+:mod:`gradlane.transport.core.peer_paths`'s.
+
+Loss detection: RACK (a chunk sent well before the newest acknowledged one on the same path
+and priority class is lost), a retransmission timeout per path, and the receiver's NACKs. A
+timeout resends at once only what a later chunk overtook; for the rest it first sends one probe
+per path and lets the ACKs tell a receiver that reads late from a loss (``_on_timeout``).
+With a loss bound, the sender tells the receiver its protected chunks (MANIFEST, repeated until
+an ACK carries the PROTECTED flag) and, when it has nothing left to send but abandoned chunks, a
+FIN with their bitmap so the receiver can complete at once instead of waiting for a deadline.
+A STOP from the receiver, all chunks acknowledged, or the hard deadline ends the transfer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+from gradlane.scheduling.loss import LossPolicy
+from gradlane.scheduling.pacing import Pacer
+from gradlane.scheduling.priority import MAX_CLASSES, PriorityPolicy
+from gradlane.transport import kernels
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.events import Datagram, DatagramRun, SenderReport
+from gradlane.transport.core.outgoing import (
+    ABANDONED,
+    INFLIGHT,
+    LOST,
+    PENDING,
+    OutKey,
+    OutTransfer,
+    SparePayloads,
+)
+from gradlane.transport.core.peer_paths import PeerPaths
+from gradlane.transport.kernels._ack import note_sent
+from gradlane.transport.wire.header import Kind
+
+__all__ = ["OutKey", "OutTransfer", "SenderCore"]
+
+log = logging.getLogger(__name__)
+_NO_CHUNKS = np.empty(0, dtype=np.int64)
+
+
+@dataclass
+class _ClassStats:
+    sent: np.ndarray
+    dropped: np.ndarray
+    retransmitted: np.ndarray
+    path_bytes: np.ndarray
+    bytes_sent: int = 0
+
+
+class SenderCore:
+    """All outgoing transfers of one rank; produces DATA and the sender's control packets.
+
+    ``encode`` builds a control packet (the endpoint owns headers and tags). Time is a parameter
+    everywhere; nothing here reads a clock or touches a socket.
+    """
+
+    def __init__(
+        self,
+        me: int,
+        world: int,
+        config: TransportConfig,
+        priority: PriorityPolicy,
+        loss: LossPolicy,
+        rng: np.random.Generator,
+        encode: Callable[..., bytes],
+        make_pacer: Callable[[], Pacer],
+    ) -> None:
+        self.me = me
+        self.world = world
+        self.config = config
+        self.priority = priority
+        self.loss = loss
+        self.key = config.tag_key
+        self.encode = encode
+        self.transfers: dict[OutKey, OutTransfer] = {}
+        self._seq = 0
+        self._n_paths = config.n_paths
+        self.net = PeerPaths(me, world, config, rng)
+        self.paths = self.net.sets  # per peer: its PathSet
+        self.pacers = {(p, q): make_pacer() for p in self.paths for q in range(config.n_paths)}
+        n_classes = config.priority.n_classes
+        self._tos = [config.priority.tos(c) for c in range(n_classes)]
+        self.stats: dict[tuple[int, int], _ClassStats] = {}
+        self._control: list[Datagram | DatagramRun] = []
+        self._spares = SparePayloads()  # payload buffers of detached transfers, for reuse
+        self._now = 0.0
+        self._sendable: set[OutKey] = set()
+        self._tick_at = np.inf
+        self._tick_last = np.inf  # the grid's anchor: the last tick (or a first start)
+        self._pace_at = np.inf
+        self.nic: Pacer | None = None
+        if config.nic_rate_Bps > 0:
+            nic_cfg = replace(
+                config.pacing,
+                controller="fixed",
+                initial_rate_Bps=config.nic_rate_Bps,
+                max_rate_Bps=max(config.pacing.max_rate_Bps, config.nic_rate_Bps),
+                burst_bytes=max(config.pacing.burst_bytes, 4 * config.slot_bytes),
+            )
+            self.nic = Pacer(nic_cfg)
+
+    # -- API used by the endpoint ------------------------------------------------------------
+    def loss_bound(self, gather: bool) -> float:
+        """The loss bound of a phase (0 = reliable)."""
+        return self.config.loss.bound(gather)
+
+    def start(
+        self,
+        key: OutKey,
+        data: np.ndarray,
+        dtype: int,
+        layer_position: float,
+        now: float,
+        pinned: bool = False,
+        stats: kernels.ChunkStats | None = None,
+    ) -> OutTransfer:
+        """Begin sending ``data`` (one shard, wire dtype ``dtype``) to ``key.dst``.
+
+        ``data`` is read (not copied) until the transfer ends or :meth:`detach`; ``stats`` are
+        its :func:`kernels.chunk_stats` when the caller sends the same shard to several peers.
+        """
+        if key in self.transfers:
+            raise ValueError(f"transfer {key} already in flight")
+        self._seq += 1
+        t = OutTransfer(
+            key,
+            self._seq,
+            data,
+            dtype,
+            layer_position,
+            now,
+            pinned,
+            me=self.me,
+            config=self.config,
+            priority=self.priority,
+            loss=self.loss,
+            stats=stats,
+        )
+        self.transfers[key] = t
+        self._stats(key.step, key.bucket)
+        if t.n_chunks == 0:
+            self._retire(t)
+            return t
+        if not t.manifest_acked:
+            self._queue_manifest(t, now)
+        # Probes due go now: a collective shorter than tick_s never ticks (DOWN paths wait).
+        self._probe(now, {key.dst})
+        self._sendable.add(key)
+        if len(self.transfers) == 1:  # the only one: the tick grid starts here
+            self._tick_last, self._tick_at = now, now + self.config.tick_s
+        else:
+            self._wake(now)
+        return t
+
+    def report(self, step: int, bucket: int) -> SenderReport:
+        """What was sent for (step, bucket) so far, per class."""
+        s = self._stats(step, bucket)
+        return SenderReport(
+            sent=tuple(int(x) for x in s.sent),
+            dropped=tuple(int(x) for x in s.dropped),
+            retransmitted=tuple(int(x) for x in s.retransmitted),
+            bytes_sent=s.bytes_sent,
+            per_path_bytes=tuple(int(x) for x in s.path_bytes),
+        )
+
+    def detach(self, step: int, bucket: int) -> None:
+        """Stop reading the source buffers of (step, bucket)'s outgoing transfers: the
+        collective is over and its buffers go back to the caller, while peers may still need
+        retransmissions (the payloads still owed are copied)."""
+        for t in self.transfers.values():
+            if t.key.step == step and t.key.bucket == bucket:
+                t.release_source(self._spares)
+
+    def owes(self, step: int, bucket: int) -> bool:
+        """True while an outgoing transfer of (step, bucket) is not over (some chunk is neither
+        acknowledged nor settled by the receiver's STOP)."""
+        return any(k.step == step and k.bucket == bucket for k in self.transfers)
+
+    def forget_stats(self, step: int, bucket: int) -> None:
+        """Drop the per-(step, bucket) counters once reported."""
+        self.stats.pop((step, bucket), None)
+
+    # -- control input ------------------------------------------------------------------------
+    def on_ack(
+        self,
+        key: OutKey,
+        base: int,
+        bits: np.ndarray,
+        trigger: int,
+        manifest: bool,
+        now: float,
+        ack_delay: float = 0.0,
+    ) -> None:
+        """Apply an ACK bitmap covering chunks ``base .. base+len(bits)``.
+
+        ``ack_delay`` is how long the receiver held the ACK after the trigger chunk arrived; it
+        is subtracted from that chunk's RTT sample (as QUIC does) so ACK batching does not look
+        like queueing to the delay-based congestion response.
+        """
+        span = self._bitmap_span(key, base, bits)
+        if span is None:
+            return
+        t, _ = span
+        self._wake(now)
+        if t.held:  # the receiver started: its ACKs come now, the timeouts run from here
+            t.held, t.rto_since = False, now
+        if manifest:
+            t.manifest_acked = True
+        # One compiled pass (gradlane.transport.kernels._ack) finds the newly acknowledged chunks
+        # (bit set, state INFLIGHT, LOST or ABANDONED), marks them ACKED and gathers what follows,
+        # RACK's losses included: on each path, chunks sent well before the newest acknowledged one
+        # are lost; per priority class too, since classes are separate queues (our per-TOS
+        # sockets, the network's priority queues) that legitimately overtake one another.
+        r = kernels.apply_ack(
+            t.state,
+            t.tx,
+            t.sent_at,
+            t.path,
+            t.prio,
+            t.counts,
+            t.lengths,
+            bits,
+            base=base,
+            trigger=trigger,
+            now=now,
+            n_paths=self._n_paths,
+            n_classes=len(self._tos),
+            reorder_window_s=self.config.reorder_window_s,
+        )
+        if not r.idx.size:
+            return
+        self._note_lanes(t, r.idx, now)
+        t.n_lost -= r.n_lost
+        t.n_inflight -= r.n_inflight
+        t.abandoned_elems -= r.abandoned_elems
+        t.rto_backoff = 1.0
+        peer = key.dst
+        # Every first transmission acknowledged now gives its path an RTT sample (Karn: never a
+        # retransmission); it includes up to ack_delay_s, which only makes the RTO safer. The
+        # congestion controller gets the clean sample of the chunk that triggered the ACK.
+        if r.trigger_first:
+            clean = max(now - t.sent_at[trigger] - min(ack_delay, self.config.ack_delay_s), 1e-7)
+        else:
+            clean = None
+        # Only chunks still in flight leave the path's outstanding bytes (``counted``): a LOST
+        # or ABANDONED one was already taken out when it was declared lost or released.
+        self.paths[peer].on_acked(r.paths, r.sizes, now, r.rtt, r.counted)
+        if clean is not None:
+            self.net.rtt_sample(clean)
+        trig_path = int(t.path[trigger]) if clean is not None else -1
+        for q in r.path_hit.nonzero()[0].tolist():
+            self.pacers[(peer, q)].controller.on_ack(
+                now=now, acked_bytes=int(r.path_bytes[q]), rtt=clean if q == trig_path else None
+            )
+        if r.lost.size:
+            self._declare_lost(t, r.lost, now)
+        if t.probe_at < np.inf:
+            lost = t.probe_answered(r.idx)
+            if lost.size:
+                self._declare_lost(t, lost, now)
+        if not t.outstanding() and t.abandoned_elems == 0:
+            self._retire(t)
+        else:
+            self._maybe_fin(t, now)
+
+    def on_held(self, key: OutKey) -> None:
+        """The receiver holds our data for ``key``, a transfer it has not started yet: no
+        retransmission timeout until it acknowledges (see ``Flags.HELD``). Whatever it then
+        lacks it NACKs (its pass-end check or deadline), and RACK finds the rest."""
+        t = self.transfers.get(key)
+        if t is not None and not t.done:
+            t.held = True
+
+    def on_nack(
+        self, key: OutKey, base: int, bits: np.ndarray, now: float, newest: int = -1
+    ) -> None:
+        """The receiver needs these chunks now: queue them for retransmission, even abandoned.
+
+        ``newest`` is the newest chunk that had reached the receiver when it asked (-1: the
+        receiver did not say: nothing came yet, or its sockets were not read to the end since).
+        A chunk this sender last sent before that chunk's last transmission should have
+        arrived: it is lost. One sent after it may still be on its way, if it left less than
+        the path's smallest RTT (at least the reorder window) ago.
+        Without ``newest`` a chunk sent less than a smoothed RTT ago counts as on its way —
+        and on a loaded host the smoothed RTT is mostly scheduling delay, so a resend that was
+        lost too waited for the retransmission timeout while the receiver NACKed in vain.
+        """
+        span = self._bitmap_span(key, base, bits)
+        if span is None:
+            return
+        t, end = span
+        self._wake(now)
+        idx = bits[: end - base].nonzero()[0] + base
+        ps = self.paths[key.dst]
+        evidence = 0 <= newest < t.n_chunks
+        if evidence:
+            floor = np.maximum(ps.min_rtts(), self.config.reorder_window_s)
+            floor[~np.isfinite(floor)] = self.config.reorder_window_s
+            overtaken = t.tx_seq[idx] < t.tx_seq[newest]
+            young = ~overtaken & (now - t.sent_at[idx] < floor[t.path[idx]])
+        else:
+            srtt = np.array([ps.rtt_estimate(q) for q in range(self._n_paths)])
+            young = now - t.sent_at[idx] < np.nan_to_num(srtt, nan=0.0)[t.path[idx]]
+        idx = idx[~((t.state[idx] == INFLIGHT) & young)]
+        st = t.state[idx]
+        want = idx[(st == INFLIGHT) | (st == ABANDONED)]
+        flying = idx[st == INFLIGHT]
+        t.n_inflight -= int(flying.size)
+        if flying.size and evidence:
+            # Overtaken by what arrived (or long gone): lost on their paths, like RACK's.
+            self._note_loss(t, flying, now)
+        elif flying.size:  # queued again: no longer outstanding where they were sent
+            self._release(t, flying)
+        t.abandoned_elems -= int(t.counts[idx[st == ABANDONED]].sum())
+        t.state[want] = LOST
+        t.n_lost += int(want.size)
+        if want.size:
+            self._sendable.add(key)
+
+    def _bitmap_span(
+        self, key: OutKey, base: int, bits: np.ndarray
+    ) -> tuple[OutTransfer, int] | None:
+        """The live transfer a bitmap (ACK/NACK from chunk ``base``) is about, and the end of
+        the chunks it covers; None for a finished transfer or a bitmap past its end."""
+        t = self.transfers.get(key)
+        if t is None or t.done:
+            return None
+        end = min(base + bits.shape[0], t.n_chunks)
+        return (t, end) if base < end else None
+
+    def on_stop(self, key: OutKey) -> None:
+        """The receiver completed: stop sending and forget the transfer."""
+        t = self.transfers.get(key)
+        if t is not None:
+            self._retire(t)
+
+    def on_probe_ack(self, peer: int, path: int, seq: int, now: float) -> None:
+        """A probe came back: the path works again (see :class:`PeerPaths`)."""
+        if self.net.on_probe_ack(peer, path, seq, now):
+            self._wake(now)
+
+    # -- output ------------------------------------------------------------------------------
+    def datagrams_to_send(self, now: float) -> list[Datagram | DatagramRun]:
+        """Control packets first, then data in global priority order within pacing limits."""
+        self._now = now
+        out: list[Datagram | DatagramRun] = list(self._control)
+        self._control = []
+        self._pace_at = np.inf
+        if not self._sendable:
+            return out
+        heap: list[tuple[int, float, int, OutKey]] = []
+        for key in list(self._sendable):
+            t = self.transfers.get(key)
+            cls = t.next_class() if t is not None else None
+            if cls is None:
+                self._sendable.discard(key)
+            else:
+                heap.append((cls, t.layer_position, t.seq, key))  # type: ignore[union-attr]
+        heapq.heapify(heap)
+        nic = self.nic
+        local_left = nic.allowance(now) if nic is not None else 1 << 62
+        quantum = self.config.tx_quantum_packets * self.config.slot_bytes
+        if local_left < quantum and nic is not None:
+            # Wait for a whole quantum of tokens: same rate, fewer and larger batches.
+            self._pace_at = nic.next_send_time(now, quantum)
+            return out
+        allowance: dict[int, int] = {}
+        blocked: set[int] = set()
+        budget = self.config.burst_packets * self._n_paths
+        while heap and budget > 0 and local_left > 0:
+            cls, _, _, key = heapq.heappop(heap)
+            t = self.transfers[key]
+            peer = key.dst
+            if peer not in allowance:
+                allowance[peer] = sum(
+                    self.pacers[(peer, q)].allowance(now) for q in self.net.usable(peer)
+                )
+            avail = min(allowance[peer], local_left)
+            if avail <= 0:
+                blocked.add(peer)
+                continue
+            # The classes after ``cls`` may go in the same batch while no other transfer to
+            # this peer has chunks of a class that must precede them: only transfers sharing a
+            # peer's pacers and paths compete (and all of them when a NIC cap is shared).
+            upto = cls
+            if nic is None:
+                upto = min((c for c, _, _, k in heap if k.dst == peer), default=MAX_CLASSES) - 1
+            sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out, upto)
+            budget -= sent
+            allowance[peer] -= nbytes
+            local_left -= nbytes
+            if nic is not None and nbytes:
+                nic.consume(nbytes, now)
+            nxt = t.next_class()
+            if nxt is None:
+                self._sendable.discard(key)
+            elif consumed:
+                heapq.heappush(heap, (nxt, t.layer_position, t.seq, key))
+        if heap or blocked:
+            self._pace_at = self._wake_time(now, budget, blocked | {k.dst for *_, k in heap})
+        return out
+
+    def _wake_time(self, now: float, budget: int, peers: set[int]) -> float:
+        """When sending can resume: now if only the burst budget stopped us, else the pacers."""
+        if budget <= 0:
+            return now
+        slot = self.config.slot_bytes * self.config.tx_quantum_packets
+        t_nic = self.nic.next_send_time(now, slot) if self.nic is not None else now
+        t_peer = min(
+            (
+                self.pacers[(p, q)].next_send_time(now, slot)
+                for p in peers
+                for q in self.net.usable(p)
+            ),
+            default=now,
+        )
+        return max(t_nic, t_peer, now)
+
+    def get_timer(self) -> float | None:
+        """The housekeeping tick while transfers run, or the pacing release if earlier."""
+        best = self._tick_at if self.transfers else np.inf
+        if self._sendable:
+            best = min(best, self._pace_at if self._pace_at < np.inf else self._now)
+        return None if best == np.inf else float(best)
+
+    def handle_timer(self, now: float) -> None:
+        """Housekeeping: retransmission timeouts, path health, resends, deadlines, probes.
+
+        It runs on a grid of ``tick_s`` from the last tick: at the next point while anything
+        happens (ACKs, NACKs, sends: :meth:`_wake`), else at the first point when something
+        can be due. A sender waiting on a busy peer ticked a thousand times a second for
+        nothing (~0.3 ms each, 15 times per DDP step at 4 ranks on 2 cores). The ticks it
+        skips would have found nothing, and those it runs fall where they fell, so the
+        protocol acts at the same times as when it ticked every ``tick_s``."""
+        self._now = now
+        if now < self._tick_at:
+            return
+        self._tick_last = now
+        peers = {t.key.dst for t in self.transfers.values()}
+        for peer in peers:
+            self.paths[peer].tick(now)
+        rtos = {peer: self.net.rtos(peer) for peer in peers}  # once per peer, not per transfer
+        for t in list(self.transfers.values()):
+            if now >= t.hard_deadline:
+                log.debug("sender gives up %s at the hard deadline", t.key)
+                self._retire(t)
+                continue
+            reordered = t.rack_lost(len(self._tos), self.config.reorder_window_s, now)
+            if reordered.size:
+                self._declare_lost(t, reordered, now)
+            late = t.timed_out(rtos[t.key.dst], now)
+            if late.size:
+                self._on_timeout(t, late, now)
+            rto = self._rto(t, rtos[t.key.dst])
+            if not t.manifest_acked and now >= t.manifest_sent_at + rto:
+                self._queue_manifest(t, now)
+            self._maybe_fin(t, now, rto)
+        self._probe(now, peers)
+        due = np.inf
+        for peer in {t.key.dst for t in self.transfers.values()}:  # what the tick left
+            due = min(due, self.paths[peer].next_due())
+        for t in self.transfers.values():
+            p_rtos = rtos[t.key.dst]
+            due = min(due, t.next_due(p_rtos, self._rto(t, p_rtos), len(self._tos),
+                                      self.config.reorder_window_s))  # fmt: skip
+        self._tick_at = self._on_grid(due) if self.transfers else np.inf
+
+    def _wake(self, now: float) -> None:
+        """Something changed (an ACK, NACK, probe answer, send or new transfer): tick at the
+        grid's next point, which then works out when it is next needed."""
+        self._tick_at = min(self._tick_at, self._on_grid(now))
+
+    def _on_grid(self, at: float) -> float:
+        """The first tick of the grid after the last one, ``_tick_last + k * tick_s``
+        (k >= 1), at or after ``at``; summed step by step as ticks in a row sum it (so a
+        run of skipped ticks changes no time), far off at once."""
+        step = self.config.tick_s
+        t = self._tick_last + step
+        if not t < at:  # the next point (and inf, NaN)
+            return t
+        if at == np.inf:
+            return at
+        if at - t > 64 * step:
+            t += (np.floor((at - t) / step) - 1.0) * step
+        while t < at:
+            t += step
+        return float(t)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _stats(self, step: int, bucket: int) -> _ClassStats:
+        s = self.stats.get((step, bucket))
+        if s is None:
+            n = self.config.priority.n_classes
+            z = np.zeros(n, dtype=np.int64)
+            paths = np.zeros(self.config.n_paths, dtype=np.int64)
+            s = self.stats[(step, bucket)] = _ClassStats(z.copy(), z.copy(), z.copy(), paths)
+        return s
+
+    def _note_lanes(self, t: OutTransfer, acked: np.ndarray, now: float) -> None:
+        """Newly acknowledged chunks advance their lanes' newest delivered sequence."""
+        lanes = t.path[acked].astype(np.int64) * len(self._tos) + t.prio[acked]
+        newest = np.full(t.lane_seq.shape[0], -1, dtype=np.int64)
+        np.maximum.at(newest, lanes, t.tx_seq[acked])
+        ahead = newest > t.lane_seq
+        t.lane_seq[ahead] = newest[ahead]
+        t.lane_at[ahead] = now
+
+    def _rto(self, t: OutTransfer, path_rtos: np.ndarray | None = None) -> float:
+        """The transfer's RTO for control repeats (manifest, FIN): the largest of its usable
+        paths', backed off; ``path_rtos``: :meth:`PeerPaths.rtos` of its peer, if at hand."""
+        rtos = self.net.rtos(t.key.dst) if path_rtos is None else path_rtos
+        return float(max(rtos[q] for q in self.net.usable(t.key.dst))) * t.rto_backoff
+
+    def _on_timeout(self, t: OutTransfer, late: np.ndarray, now: float) -> None:
+        """Chunks ``late`` of ``t`` passed their retransmission timeout.
+
+        The first timeout of a round declares lost what the loss bound lets go and what a later
+        chunk overtook (the peer acknowledged it), and only probes for the rest (F-RTO, RFC
+        5682, with RACK-TLP's probe, RFC 8985): one more copy of the newest such chunk of each
+        path, on that path so that it queues behind the others; the transfer's timer restarts,
+        backed off. On a loaded host a timeout mostly means a receiver that has not read its
+        socket yet: resending everything late to it doubled the queue it was behind on (40 to
+        100 chunks of 64 KB per timeout at 4 x 25 MB on 2 cores). The ACKs that follow tell
+        (:meth:`OutTransfer.probe_answered`): originals still arriving end the round (a spurious
+        timeout); a probe arriving alone means what was sent before it on its path is lost.
+        When neither shows by the next timeout, the late chunks are lost, declared as before;
+        a dead path is left then, as resends take healthy paths.
+        """
+        if t.probe_at == np.inf:
+            # Lost at once, as before: what the loss bound lets go (nothing to resend), and
+            # what a chunk sent later overtook on any lane (its ACK came: the peer reads).
+            gone = np.union1d(t.tolerable(late), t.overtaken(late))
+            if gone.size:
+                self._declare_lost(t, gone, now)
+                late = np.setdiff1d(late, gone, assume_unique=True)
+                if not late.size:
+                    return
+            t.probe_at = t.rto_since = now
+            t.rto_backoff = min(t.rto_backoff * 2.0, 64.0)
+            # The newest late chunk of each path: a socket's queue is in order, another's not.
+            newest_first = late[np.argsort(t.tx_seq[late])[::-1]]
+            t.probes = newest_first[np.unique(t.path[newest_first], return_index=True)[1]]
+            st = self._stats(t.key.step, t.key.bucket)
+            for p in t.probes.tolist():
+                q, cls, nbytes = int(t.path[p]), int(t.prio[p]), int(t.lengths[p])
+                # The copy leaves the chunk as it is (in flight, its send time and sequence,
+                # so an ACK of either copy is RACK's evidence at the original's place); its
+                # count only keeps Karn's rule off its RTT.
+                t.tx[p] = min(int(t.tx[p]) + 1, 255)
+                st.sent[cls] += 1
+                st.retransmitted[cls] += 1
+                st.bytes_sent += nbytes
+                if q < st.path_bytes.shape[0]:
+                    st.path_bytes[q] += nbytes
+                self.pacers[(t.key.dst, q)].consume(nbytes, now)
+                self._control.append(t.run(np.array([p]), np.array([q]), self._tos[cls]))
+            return
+        t.probe_at, t.probes = np.inf, _NO_CHUNKS
+        # Exponential backoff for consecutive timeouts (RFC 6298); any acknowledgement resets it.
+        t.rto_backoff = min(t.rto_backoff * 2.0, 64.0)
+        self._declare_lost(t, late, now)
+
+    def _declare_lost(self, t: OutTransfer, idx: np.ndarray, now: float) -> None:
+        """In-flight chunks presumed lost: tolerate what the budget allows (never protected),
+        else resend."""
+        t.n_inflight -= int(idx.size)
+        self._note_loss(t, idx, now)
+        resend = idx
+        if t.budget_elems > 0:
+            tolerate = t.tolerable(idx)
+            if tolerate.size:
+                t.state[tolerate] = ABANDONED
+                t.abandoned_elems += int(t.counts[tolerate].sum())
+                self._stats(t.key.step, t.key.bucket).dropped += np.bincount(
+                    t.prio[tolerate], minlength=len(self._tos)
+                )[: len(self._tos)]
+                resend = np.setdiff1d(idx, tolerate, assume_unique=True)
+        t.state[resend] = LOST
+        t.n_lost += int(resend.size)
+        if resend.size:
+            self._sendable.add(t.key)
+        else:
+            self._maybe_fin(t, now)
+
+    def _note_loss(self, t: OutTransfer, idx: np.ndarray, now: float) -> None:
+        """In-flight chunks ``idx`` are lost: off their paths' outstanding bytes, into their
+        loss rates, and a congestion signal to their pacers."""
+        peer = t.key.dst
+        paths = t.path[idx].astype(np.int64)
+        sizes = t.lengths[idx].astype(np.int64)
+        self.paths[peer].on_lost(paths, sizes, now)
+        for q in np.unique(paths):
+            sel = paths == q
+            # A reliable transfer must deliver every chunk: any loss of it is congestion.
+            prot = t.budget_elems == 0 or bool(t.protected[idx[sel]].any())
+            self.pacers[(peer, int(q))].controller.on_loss(
+                now=now, lost_bytes=int(sizes[sel].sum()), protected=prot
+            )
+
+    def _send_batch(
+        self,
+        t: OutTransfer,
+        cls: int,
+        now: float,
+        avail: int,
+        budget: int,
+        out: list[Datagram | DatagramRun],
+        upto: int,
+    ) -> tuple[int, int, int]:
+        """Send up to ``budget`` chunks of class ``cls`` from ``t`` within the peer's allowance,
+        and new chunks of the classes after it up to ``upto`` (one run per class: each class
+        has its own TOS).
+
+        Returns (chunks sent, chunks consumed including skipped ones, bytes sent).
+        """
+        peer = t.key.dst
+        retx = np.empty(0, dtype=np.int64)
+        if t.n_lost:
+            retx = ((t.state == LOST) & (t.prio == cls)).nonzero()[0][:budget]
+        fresh = np.empty(0, dtype=np.int64)
+        skipped = 0
+        if retx.size < budget and t.cursor < t.n_chunks:
+            window = t.order[t.cursor : t.cursor + (budget - retx.size)]
+            last = max(cls, upto)
+            other = ((t.prio[window] < cls) | (t.prio[window] > last)).nonzero()[0]
+            fresh = window[: other[0]] if other.size else window
+            kept = self._skip_late_droppable(t, fresh, now)
+            skipped = int(fresh.size - kept.size)
+            fresh = kept
+        chunks = np.concatenate((retx, fresh)) if retx.size else fresh
+        if chunks.size == 0:
+            t.advance_cursor()
+            self._maybe_fin(t, now)
+            return 0, skipped, 0
+        sizes = t.lengths[chunks].astype(np.int64)
+        cum = np.cumsum(sizes)
+        if cum[-1] <= avail:  # the usual case on a fast path: the whole batch fits
+            fit = int(cum.shape[0])
+        else:  # always make progress: the pacer takes one packet of debt
+            fit = max(int(np.searchsorted(cum, int(avail), side="right")), 1)
+        chunks, sizes = chunks[:fit], sizes[:fit]
+        n_retx = int(min(retx.size, fit))
+        if self.config.multipath:
+            paths = self.paths[peer].assign(now=now, sizes=sizes, protected=t.protected[chunks])
+        else:
+            paths = np.full(fit, self.net.usable(peer)[0], dtype=np.int64)
+        paths = np.asarray(paths, dtype=np.int64)
+        st = self._stats(t.key.step, t.key.bucket)
+        per_path = np.zeros(self._n_paths, dtype=np.int64)
+        bounds = np.empty(fit + 1, dtype=np.int64)
+        # State, send times, paths, transmission counts, per-class and per-path counters, and
+        # the class stretches, in one compiled pass (was ~15 NumPy operations per batch).
+        total, n_runs = note_sent(
+            t.state, t.sent_at, t.path, t.tx, t.prio, t.lengths, chunks, paths, n_retx, now,
+            st.sent, st.retransmitted, per_path, bounds,
+        )  # fmt: skip
+        t.n_inflight += fit
+        t.n_lost -= n_retx
+        self._wake(now)
+        t.tx_seq[chunks] = np.arange(t.next_tx_seq, t.next_tx_seq + fit)
+        t.next_tx_seq += fit
+        t.advance_cursor()
+        self.paths[peer].on_sent(paths, sizes, now)
+        for q, nb in enumerate(per_path.tolist()):
+            if nb:
+                self.pacers[(peer, q)].consume(nb, now)
+        st.bytes_sent += total
+        st.path_bytes += per_path[: st.path_bytes.shape[0]]
+        # One datagram per chunk (its header row and a view of its payload, never copied), as
+        # one run per class: a socket driver sends it with one system call per path and no
+        # Python per datagram. New chunks come in class order, so each class is one stretch.
+        for a, b in zip(bounds[:n_runs].tolist(), bounds[1 : n_runs + 1].tolist(), strict=True):
+            out.append(t.run(chunks[a:b], paths[a:b], self._tos[int(t.prio[chunks[a]])]))
+        return fit, fit + skipped, total
+
+    def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:
+        """Skip droppable chunks that cannot make the soft deadline, within the budget.
+
+        Returns the chunks of ``fresh`` still to send; skipped ones become ABANDONED.
+        """
+        if not (self.config.skip_late_droppable and t.budget_elems > 0 and fresh.size):
+            return fresh
+        drop = t.droppable[fresh]
+        if not drop.any():
+            return fresh
+        # The receiver's deadline is for everything it expects: this shard from each sender.
+        senders = 1 if t.gather else self.world - 1
+        deadline = t.started + self.loss.soft_deadline(t.gather, t.n_elems * senders)
+        rate = sum(
+            self.pacers[(t.key.dst, q)].controller.rate_Bps for q in self.net.usable(t.key.dst)
+        )
+        remaining = float(t.lengths[t.order[t.cursor :]].sum())
+        if now + remaining / max(rate, 1.0) <= deadline:
+            return fresh
+        cand = fresh[drop]
+        room = t.budget_elems - t.abandoned_elems
+        skip = cand[np.cumsum(t.counts[cand]) <= room]
+        if not skip.size:
+            return fresh
+        t.state[skip] = ABANDONED
+        t.abandoned_elems += int(t.counts[skip].sum())
+        n_cls = len(self._tos)
+        self._stats(t.key.step, t.key.bucket).dropped += np.bincount(t.prio[skip], minlength=n_cls)[
+            :n_cls
+        ]
+        return fresh[t.state[fresh] == PENDING]
+
+    def _queue_manifest(self, t: OutTransfer, now: float) -> None:
+        key = t.key
+        payload = np.packbits(t.protected, bitorder="little").tobytes()
+        data = self.encode(Kind.MANIFEST, key, chunk=0, count=t.n_chunks, payload=payload)
+        self._control.append(
+            Datagram(data, key.dst, self.net.control_path(key.dst, self._now), self._tos[0])
+        )
+        t.manifest_sent_at = now
+
+    def _release(self, t: OutTransfer, idx: np.ndarray) -> None:
+        """Chunks in flight that the sender stops tracking leave their paths' outstanding bytes."""
+        self.paths[t.key.dst].on_released(t.path[idx].astype(np.int64), t.lengths[idx])
+
+    def _retire(self, t: OutTransfer) -> None:
+        """The transfer is over (acknowledged, stopped, or past its deadline): free it."""
+        if t.n_inflight:
+            self._release(t, (t.state == INFLIGHT).nonzero()[0])
+        t.done = True
+        t.return_buffer(self._spares)
+        self.transfers.pop(t.key, None)
+        self._sendable.discard(t.key)
+
+    def _maybe_fin(self, t: OutTransfer, now: float, rto: float | None = None) -> None:
+        """When only abandoned chunks remain unacknowledged (:meth:`OutTransfer.owes_fin`),
+        tell the receiver (FIN), and repeat it every RTO (``rto``, else :meth:`_rto`) until
+        its STOP."""
+        if not t.owes_fin() or now < t.fin_sent_at + (self._rto(t) if rto is None else rto):
+            return
+        payload = np.packbits(t.state == ABANDONED, bitorder="little").tobytes()
+        data = self.encode(Kind.FIN, t.key, chunk=0, count=t.n_chunks, payload=payload)
+        self._control.append(
+            Datagram(data, t.key.dst, self.net.control_path(t.key.dst, self._now), self._tos[0])
+        )
+        t.fin_sent_at = now
+
+    def _probe(self, now: float, peers: set[int]) -> None:
+        """Probe suspect paths toward peers we are sending to (with the newest step in flight:
+        receivers take only steps in their window)."""
+        step = max((k.step for k in self.transfers), default=0)
+        for peer, q, seq in self.net.probes_due(now, peers):
+            data = self.encode(Kind.PROBE, OutKey(step, 0, 0, 0, peer), aux=seq)
+            self._control.append(Datagram(data, peer, q, self._tos[0]))

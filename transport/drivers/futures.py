@@ -1,0 +1,126 @@
+"""The Futures of the collectives a driver has started, keyed by (step, bucket).
+
+Every driver of a sans-I/O :class:`~gradlane.transport.core.collective.TransposeAllReduce` (the UDP
+engine, the
+ZeroMQ plane) needs the same three steps at its edge (STYLE rule 6: futures only at the edge):
+start a collective for a caller's Future, resolve Futures from the core's events, and fail what
+is left when the driver stops or breaks. One implementation, so the drivers cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+from gradlane.transport.core.collective import TransposeAllReduce
+from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, CollectiveReport
+from gradlane.transport.errors import GradlaneError, TransferFailed
+
+__all__ = ["CollectiveResult", "PendingCollectives"]
+
+CollectiveResult = tuple[np.ndarray, CollectiveReport]
+
+
+class PendingCollectives:
+    """(step, bucket) → Future of ``(result, CollectiveReport)``.
+
+    ``start`` and ``deliver`` run on the driver's loop thread; ``fail_all`` may also run on the
+    thread that closes the driver after its loop has stopped, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._futures: dict[tuple[int, int], Future[CollectiveResult]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def keys(self) -> set[tuple[int, int]]:
+        """The (step, bucket) of every tracked collective."""
+        with self._lock:
+            return set(self._futures)
+
+    def start(
+        self,
+        core: TransposeAllReduce,
+        fut: Future[CollectiveResult],
+        step: int,
+        bucket: int,
+        data: np.ndarray,
+        layer_position: float,
+        dtype: int | None,
+        now: float,
+        servers: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
+        pinned: bool = False,
+        scale: float = 1.0,
+    ) -> bool:
+        """Start one collective for ``fut``; a bad request fails its own Future, never the loop.
+
+        Returns True when the collective is running (its events will resolve ``fut``).
+        """
+        if not fut.set_running_or_notify_cancel():
+            return False  # the caller cancelled it before the loop got to it
+        key = (step, bucket)
+        with self._lock:
+            if key in self._futures:
+                fut.set_exception(
+                    TransferFailed(f"step {step} bucket {bucket} is already being all-reduced")
+                )
+                return False
+            self._futures[key] = fut
+        try:
+            core.start(
+                step,
+                bucket,
+                data,
+                layer_position,
+                now,
+                dtype=dtype,
+                pinned=pinned,
+                servers=servers,
+                out=out,
+                scale=scale,
+            )
+        except (ValueError, TypeError, GradlaneError) as exc:
+            with self._lock:
+                self._futures.pop(key, None)
+            fut.set_exception(exc)
+            return False
+        return True
+
+    def add(self, step: int, bucket: int, fut: Future[CollectiveResult]) -> None:
+        """Track a Future that was queued but not started (so ``fail_all`` reaches it)."""
+        with self._lock:
+            self._futures.setdefault((step, bucket), fut)
+
+    def deliver(self, core: TransposeAllReduce) -> tuple[int, int]:
+        """Resolve Futures from the core's pending events; returns (completed, failed)."""
+        completed = failed = 0
+        while (ev := core.next_event()) is not None:
+            if isinstance(ev, AllReduceComplete):
+                fut = self._pop(ev.step, ev.bucket)
+                completed += 1
+                if fut is not None and not fut.done():
+                    fut.set_result((ev.result, ev.report))
+            elif isinstance(ev, AllReduceFailed):
+                fut = self._pop(ev.step, ev.bucket)
+                failed += 1
+                if fut is not None and not fut.done():
+                    fut.set_exception(ev.error)
+        return completed, failed
+
+    def fail_all(self, make_error: Callable[[int, int], BaseException]) -> None:
+        """Fail every tracked Future with ``make_error(step, bucket)``."""
+        with self._lock:
+            pending, self._futures = self._futures, {}
+        for (step, bucket), fut in pending.items():
+            if not fut.done():
+                fut.set_exception(make_error(step, bucket))
+
+    def _pop(self, step: int, bucket: int) -> Future[Any] | None:
+        with self._lock:
+            return self._futures.pop((step, bucket), None)

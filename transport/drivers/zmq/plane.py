@@ -1,0 +1,585 @@
+"""Reliable ZeroMQ data plane: gradlane packets as ZeroMQ frames, driven on one thread.
+
+Theory of operation
+-------------------
+:class:`ZmqDataPlane` is a driver of the sans-I/O
+:class:`~gradlane.transport.core.collective.TransposeAllReduce`
+(the aioquic shape, STYLE rule 1), like the UDP engine, with ZeroMQ in place of datagrams:
+
+* every rank binds one PULL socket per path on its own endpoint (all peers fan in), and connects
+  one PUSH socket per (peer, path) to the peers' endpoints. A frame carries gradlane packets,
+  header and tag included, so the same validation runs as over UDP: a run of DATA packets for
+  one (peer, path) travels as batch frames of up to 1 MiB
+  (:mod:`gradlane.transport.drivers.zmq.frames`; one
+  message per 64 KB packet took 1.22× / 1.32× the time at 2 / 4 ranks × 25 MB, interleaved:
+  ``gradlane.bench.perf.allreduce --zmq-batch-compare``), split back into the endpoint's arena rows
+  by one compiled pass; a control packet is one frame;
+* one thread runs a :class:`zmq.Poller` loop: it drains the PULL sockets into the endpoint's
+  batching arena (``recv(copy=False)``: each packet's bytes are copied into an arena row
+  once), runs ``handle_timer`` when ``get_timer()`` is due, sends ``datagrams_to_send(now)``
+  to ``dg.peer`` on path ``dg.path``, and turns ``next_event()`` into Future results. The
+  poll timeout is ``get_timer() - now``, so the loop sleeps when idle;
+* other threads talk to it through :meth:`ZmqDataPlane.submit`: a thread-safe queue plus a wake
+  message on an inproc PAIR socket (ZeroMQ sockets are not thread-safe, so only the loop thread
+  ever touches the data sockets).
+
+Large frames go out zero-copy (``send(memoryview, copy=False)``): a batch frame is a buffer of
+its own, filled from the caller's data, and the memoryview keeps it alive until ZeroMQ has sent
+it. Small frames (ACKs) are copied, which is cheaper than the zero-copy bookkeeping. A socket
+whose high-water mark is reached is not blocked on: its frames wait in an ordered backlog and
+the loop polls for POLLOUT.
+
+ZeroMQ over TCP/IPC is reliable and ordered, so :func:`zmq_config` defaults to
+``loss_bound = 0`` (exact all-reduce), 65000-byte chunks, loss-recovery timers pushed out to
+about a second (they can only fire spuriously here) and a fixed (unpaced) rate: TCP and the
+high-water marks already do flow control. The cores are the same as
+over UDP, so ACKs still flow (about one small frame per ``ack_every`` DATA frames). That is
+acceptable: they cost a fraction of a percent of the bytes, they are what completes each transfer
+(the receiver's completion *is* its ACK bookkeeping), and keeping one core for both planes means
+one set of tests and no second protocol to keep in sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.pacing import PacingConfig
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.collective import TransposeAllReduce
+from gradlane.transport.core.events import Datagram, DatagramRun
+from gradlane.transport.drivers.futures import CollectiveResult, PendingCollectives
+from gradlane.transport.drivers.warmup import warm_up
+from gradlane.transport.drivers.zmq import frames as zmq_batch
+from gradlane.transport.errors import ConfigError, TransferFailed
+
+__all__ = ["ZERO_COPY_MIN_BYTES", "ZmqDataPlane", "zmq_config"]
+
+log = logging.getLogger(__name__)
+
+#: Frames at least this large are sent zero-copy; smaller ones are copied (cheaper for ACKs).
+ZERO_COPY_MIN_BYTES = 16384
+#: Most frames drained from one socket per loop turn, so timers and sends are not starved.
+RX_DRAIN = 1024
+
+
+def zmq_config(**overrides: Any) -> TransportConfig:
+    """A :class:`TransportConfig` suited to the reliable ZeroMQ plane; ``overrides`` win.
+
+    ZeroMQ never loses a frame, so every loss-recovery trigger of the cores can only fire
+    spuriously (a stalled thread on a loaded host) and turn into duplicate frames: the RTO, the
+    RACK reorder window and the soft deadline (after which a receiver NACKs what is missing) are
+    all pushed out to around a second. Exact all-reduce (``loss_bound = 0``); a peer that has
+    not delivered after ``hard_deadline_s`` is dead or wedged, so the collective fails with
+    ``PeerTimeout`` rather than completing degraded. 65000-byte chunks; a fixed, effectively
+    unlimited pacing rate, because TCP and the high-water marks already do flow control.
+    """
+    base: dict[str, Any] = {
+        "chunk_bytes": 65000,
+        "min_rto_s": 1.0,
+        "reorder_window_s": 1.0,
+        "burst_packets": 256,
+        "loss": LossConfig(
+            loss_bound=0.0,
+            soft_deadline_min_s=1.0,
+            soft_deadline_max_s=5.0,
+            hard_deadline_s=30.0,
+            on_hard_deadline="raise",
+        ),
+        "pacing": PacingConfig(
+            controller="fixed",
+            initial_rate_Bps=1.0e11,
+            max_rate_Bps=1.0e11,
+            burst_bytes=8 << 20,
+        ),
+    }
+    base.update(overrides)
+    return TransportConfig(**base)
+
+
+@dataclass
+class _Job:
+    step: int
+    bucket: int
+    data: np.ndarray
+    layer_position: float
+    dtype: int | None
+    future: Future[CollectiveResult]
+    servers: tuple[int, ...] | None = None
+    out: np.ndarray | None = None
+    scale: float = 1.0
+    pinned: bool = False
+
+
+class ZmqDataPlane:
+    """One rank's reliable data plane over ZeroMQ, driving a :class:`TransposeAllReduce`.
+
+    ``endpoints[r]`` is where rank r's PULL sockets listen: one string, or one string per path
+    (``config.n_paths`` of them). This rank binds ``endpoints[me]`` and connects to the others.
+    :meth:`start` (or ``with``) starts the loop thread; :meth:`submit` is thread-safe;
+    :meth:`close` fails in-flight Futures with :class:`TransferFailed` and closes every socket.
+    ``hwm`` is the per-socket high-water mark in frames (of up to ``batch_bytes`` each, so
+    ZeroMQ queues at most ``hwm × batch_bytes`` per socket; beyond it frames wait in the
+    loop's backlog until the socket drains). ``batch_bytes`` caps a batch
+    frame (:mod:`gradlane.transport.drivers.zmq.frames`); 0 sends one packet per frame, as before
+    batching (for comparisons: the receiver takes either kind).
+    """
+
+    def __init__(
+        self,
+        me: int,
+        world: int,
+        config: TransportConfig | None = None,
+        endpoints: Sequence[str | Sequence[str]] = (),
+        *,
+        rng: np.random.Generator | None = None,
+        hwm: int = 1024,
+        batch_bytes: int = zmq_batch.BATCH_BYTES,
+    ) -> None:
+        self.me = me
+        self.world = world
+        self.config = cfg = config or zmq_config()
+        if len(endpoints) != world:
+            raise ConfigError(f"{len(endpoints)} data endpoints for a world of {world}")
+        self.endpoints: tuple[tuple[str, ...], ...] = tuple(
+            (e,) if isinstance(e, str) else tuple(e) for e in endpoints
+        )
+        for r, eps in enumerate(self.endpoints):
+            if len(eps) != cfg.n_paths:
+                raise ConfigError(
+                    f"rank {r} has {len(eps)} data endpoint(s) but n_paths={cfg.n_paths}: "
+                    "give one endpoint per path"
+                )
+        self._core = TransposeAllReduce(me, world, cfg, rng)
+        self._hwm = hwm
+        if batch_bytes < 0:
+            raise ConfigError(
+                f"batch_bytes must be >= 0 (0: one packet per frame), got {batch_bytes}"
+            )
+        self.batch_bytes = batch_bytes
+        self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._pending = PendingCollectives()
+        self._wake_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._fatal: BaseException | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._wake_tx: zmq.Socket[bytes] | None = None
+        # Counters read by stats() from any thread (plain int reads are atomic in CPython).
+        self._n = {"completed": 0, "failed": 0, "frames_in": 0, "frames_out": 0,
+                   "packets_in": 0, "packets_out": 0, "bytes_in": 0, "bytes_out": 0,
+                   "backlogged": 0, "bad_frames": 0, "send_buffers": 0}  # fmt: skip
+        self._endpoint_stats: dict[str, object] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> ZmqDataPlane:
+        """Bind, connect and start the loop thread (idempotent); returns ``self``."""
+        if self._closed:
+            raise TransferFailed(f"rank {self.me}: the ZeroMQ data plane is closed")
+        if self._thread is not None:
+            return self
+        # Compile the kernels now, not inside the first collective's deadlines.
+        warm_up(keyed=bool(self.config.secret), zmq=True)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+        self._ctx = ctx
+        made: list[zmq.Socket[bytes]] = []
+
+        def sock(kind: int) -> zmq.Socket[bytes]:
+            s = ctx.socket(kind)
+            made.append(s)
+            s.linger = 0
+            return s
+
+        try:
+            pulls = []
+            for ep in self.endpoints[self.me]:
+                s = sock(zmq.PULL)
+                s.rcvhwm = self._hwm
+                s.bind(ep)
+                pulls.append(s)
+            pushes: dict[tuple[int, int], zmq.Socket[bytes]] = {}
+            for r in range(self.world):
+                if r == self.me:
+                    continue
+                for q, ep in enumerate(self.endpoints[r]):
+                    s = sock(zmq.PUSH)
+                    s.sndhwm = self._hwm
+                    s.copy_threshold = ZERO_COPY_MIN_BYTES
+                    s.connect(ep)  # queued until the peer binds: no start order between ranks
+                    pushes[(r, q)] = s
+            wake_rx, wake_tx = sock(zmq.PAIR), sock(zmq.PAIR)
+            addr = f"inproc://gl-zmq-plane-wake-{id(self)}"
+            wake_rx.bind(addr)
+            wake_tx.connect(addr)
+        except zmq.ZMQError as exc:
+            for s in made:
+                s.close(linger=0)
+            ctx.term()
+            self._ctx = None
+            raise TransferFailed(f"rank {self.me}: cannot set up the ZeroMQ plane: {exc}") from exc
+        self._wake_tx = wake_tx
+        loop = _Loop(self, pulls, pushes, wake_rx)
+        self._thread = threading.Thread(
+            target=loop.run, name=f"gl-zmq-plane-{self.me}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the loop, fail in-flight Futures with :class:`TransferFailed`, close all sockets."""
+        with self._wake_lock:
+            if self._closed:
+                return
+            # Under the lock: a submit() either sees the plane closed or is in the inbox
+            # before close() drains it, so no Future is ever left pending.
+            self._closed = True
+        self._stopping.set()
+        if self._thread is not None:
+            self._wake()
+            self._thread.join()
+        self._fail_pending("the ZeroMQ data plane was closed")
+        with self._wake_lock:
+            if self._wake_tx is not None:
+                self._wake_tx.close(linger=0)
+                self._wake_tx = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> ZmqDataPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- API ------------------------------------------------------------------------------------
+    def submit(
+        self,
+        step: int,
+        bucket: int,
+        data: np.ndarray,
+        layer_position: float = 0.5,
+        dtype: int | None = None,
+        servers: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
+        scale: float = 1.0,
+        pinned: bool = False,
+    ) -> Future[CollectiveResult]:
+        """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``);
+        ``servers`` makes it a parameter-server push/pull, ``out`` receives the result,
+        ``scale`` multiplies it and ``pinned`` protects every chunk (all as
+        :meth:`Engine.submit`).
+
+        Thread-safe. The Future resolves to ``(sum over ranks, CollectiveReport)`` or fails with
+        the collective's error (:class:`TransferFailed` if the plane closes first). ``data`` must
+        not be modified until the Future resolves (the loop thread copies it when it starts).
+        """
+        fut: Future[CollectiveResult] = Future()
+        with self._wake_lock:
+            if self._closed or self._thread is None or self._fatal is not None:
+                if self._fatal is not None:
+                    state = f"broken ({self._fatal!r})"
+                else:
+                    state = "closed" if self._closed else "not started (call start())"
+                fut.set_exception(
+                    TransferFailed(f"rank {self.me}: the ZeroMQ data plane is {state}")
+                )
+                return fut
+            srv = None if servers is None else tuple(servers)
+            job = _Job(step, bucket, data, layer_position, dtype, fut, srv, out, scale, pinned)
+            self._inbox.put(job)
+        self._wake()
+        return fut
+
+    def drain(self, timeout_s: float = 2.0) -> bool:
+        """Nothing to wait for: ZeroMQ delivers (and resends) queued frames itself, and a rank
+        completes a collective only once every peer's frames of it arrived. Always True (the
+        :meth:`gradlane.transport.drivers.udp.plane.Engine.drain` of the reliable plane)."""
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """Frame/byte counters and the endpoint's reject counters (thread-safe snapshot)."""
+        return {"rank": self.me, **dict(self._n), "endpoint": dict(self._endpoint_stats)}
+
+    def _fail_pending(self, reason: str) -> None:
+        """Fail every queued or running collective (loop thread, or after it has exited)."""
+        with self._wake_lock:
+            while True:
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                self._pending.add(job.step, job.bucket, job.future)
+        self._pending.fail_all(
+            lambda step, bucket: TransferFailed(
+                f"rank {self.me}: all-reduce of step {step} bucket {bucket} did not "
+                f"complete: {reason} while it was in flight"
+            )
+        )
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_tx is None:
+                return
+            # Again means a wake is already queued, and one is enough.
+            with contextlib.suppress(zmq.Again):
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+
+
+class _SendBuffers:
+    """Batch-frame buffers of ``nbytes``, reused once ZeroMQ has sent what they held.
+
+    ZeroMQ sends a zero-copy frame later, from its I/O thread, so a buffer is free again only
+    when pyzmq's ``MessageTracker`` says so. A fresh 1 MiB buffer per frame instead cost a page
+    fault per 4 KB: two thirds of the plane's sending time at 2 ranks × 25 MB. At most ``keep``
+    idle buffers are kept; a frame larger than ``nbytes`` (one oversized packet) gets its own.
+    """
+
+    def __init__(self, nbytes: int, counters: dict[str, int], keep: int = 32) -> None:
+        self.nbytes = nbytes
+        self.keep = keep
+        self._n = counters  # "send_buffers": pooled buffers made so far
+        self.free: list[np.ndarray] = []
+        # Sent buffers in sending order, with their trackers (None: ZeroMQ copied the frame).
+        self.busy: deque[tuple[np.ndarray, zmq.MessageTracker | None]] = deque()
+
+    def take(self, n: int) -> np.ndarray:
+        """A buffer of at least ``n`` bytes that nothing else uses."""
+        if n > self.nbytes:
+            return np.empty(n, dtype=np.uint8)
+        busy = self.busy
+        while busy and (busy[0][1] is None or busy[0][1].done):
+            buf = busy.popleft()[0]
+            if len(self.free) < self.keep:
+                self.free.append(buf)
+        if self.free:
+            return self.free.pop()
+        self._n["send_buffers"] += 1
+        return np.empty(self.nbytes, dtype=np.uint8)
+
+    def sent(self, buf: np.ndarray, tracker: zmq.MessageTracker | None) -> None:
+        """``buf`` went to ZeroMQ; it is free once ``tracker`` is done."""
+        if buf.shape[0] == self.nbytes:
+            self.busy.append((buf, tracker))
+
+
+class _Loop:
+    """The loop thread's state: only this thread touches the data sockets and the core."""
+
+    def __init__(
+        self,
+        plane: ZmqDataPlane,
+        pulls: list[zmq.Socket[bytes]],
+        pushes: dict[tuple[int, int], zmq.Socket[bytes]],
+        wake_rx: zmq.Socket[bytes],
+    ) -> None:
+        self.plane = plane
+        self.core = plane._core
+        self.pulls = pulls
+        self.pushes = pushes
+        self.wake_rx = wake_rx
+        # Frames waiting for a full socket, in order, with the pooled buffer each one is in.
+        self.backlog: dict[zmq.Socket[bytes], deque[tuple[bytes | memoryview, np.ndarray | None]]]
+        self.backlog = {}
+        self.buffers = _SendBuffers(max(plane.batch_bytes, 1), plane._n)
+        # Packet lengths of one split call: one arena's worth of rows at most.
+        self.lengths = np.zeros(self.core.endpoint.rx_arena.shape[0], dtype=np.int64)
+        self.poller = zmq.Poller()
+        for s in pulls:
+            self.poller.register(s, zmq.POLLIN)
+        self.poller.register(wake_rx, zmq.POLLIN)
+
+    def run(self) -> None:
+        plane = self.plane
+        try:
+            while not plane._stopping.is_set():
+                self._turn()
+        except BaseException as exc:
+            # A bug here must not hang callers: close() fails every Future with this cause.
+            log.exception("rank %s: ZeroMQ data plane loop crashed", plane.me)
+            with plane._wake_lock:
+                plane._fatal = exc
+            plane._fail_pending(f"the ZeroMQ data plane loop crashed ({exc!r})")
+        finally:
+            for s in (*self.pulls, *self.pushes.values(), self.wake_rx):
+                s.close(linger=0)
+
+    def _turn(self) -> None:
+        core, n = self.core, self.plane._n
+        timer = core.get_timer()
+        timeout_ms: int | None = None
+        if timer is not None:
+            # Round up: a sub-millisecond wait rounded to 0 would spin until the timer is due.
+            timeout_ms = max(0, math.ceil((timer - time.monotonic()) * 1000.0))
+        ready = dict(self.poller.poll(timeout_ms))
+        now = time.monotonic()
+        if self.wake_rx in ready:
+            while True:
+                try:
+                    self.wake_rx.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            self._start_jobs(now)
+        for path, s in enumerate(self.pulls):
+            if s not in ready:
+                continue
+            for _ in range(RX_DRAIN):
+                try:
+                    frame = s.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                buf = frame.buffer
+                n["frames_in"] += 1
+                n["bytes_in"] += len(buf)
+                if zmq_batch.is_batch(buf):
+                    self._receive_batch(buf, path, now)
+                else:
+                    n["packets_in"] += 1
+                    core.receive_datagram(buf, path, now)
+        for s, ev in ready.items():
+            if ev & zmq.POLLOUT and isinstance(s, zmq.Socket):
+                self._flush_backlog(s)
+        timer = core.get_timer()
+        if timer is not None and now >= timer:
+            core.handle_timer(now)
+        for item in core.datagrams_to_send(now):
+            if isinstance(item, DatagramRun):
+                self._send_run(item)
+            else:
+                self._send(item)
+        self._deliver_events()
+
+    def _receive_batch(self, buf: memoryview, path: int, now: float) -> None:
+        """Split a batch frame into the endpoint's arena rows (see
+        :mod:`gradlane.transport.drivers.zmq.frames`); a malformed frame keeps the packets before
+        the fault and is counted."""
+        n, ep = self.plane._n, self.core.endpoint
+        frame = np.frombuffer(buf, dtype=np.uint8)
+        pos, got = zmq_batch.FRAME_HEADER, 0
+        while True:
+            k, pos, state = zmq_batch.split(frame, pos, ep.rx_arena, ep.rx_free, self.lengths)
+            if k:
+                ep.commit_datagrams(self.lengths[:k], path, now)  # processes a full arena
+                got += k
+            if state != zmq_batch.SPLIT_ARENA_FULL or k == 0:  # k == 0: no room was made
+                break
+        n["packets_in"] += got
+        if state == zmq_batch.SPLIT_MALFORMED or got != zmq_batch.record_count(frame):
+            n["bad_frames"] += 1
+            log.debug("rank %s path %d: malformed batch frame (%d records kept)",
+                      self.plane.me, path, got)  # fmt: skip
+
+    def _send_run(self, run: DatagramRun) -> None:
+        """A run of DATA packets as batch frames, one series per path (ordered as in the run)."""
+        n, limit = self.plane._n, self.plane.batch_bytes
+        if limit == 0:
+            for dg in run:
+                self._send(dg)
+            return
+        for q in np.unique(run.paths).tolist():
+            sel = np.flatnonzero(run.paths == q)
+            n["packets_out"] += int(sel.shape[0])
+            s = self.pushes[(run.peer, q)]
+            for a, b, total in zmq_batch.frame_bounds(run, sel, limit):
+                buf = self.buffers.take(total)
+                zmq_batch.fill(run, sel, a, b, buf[:total])
+                n["frames_out"] += 1
+                n["bytes_out"] += total
+                self._push(s, buf[:total].data, buf)  # the view keeps the buffer alive
+
+    def _start_jobs(self, now: float) -> None:
+        plane = self.plane
+        while True:
+            try:
+                job = plane._inbox.get_nowait()
+            except queue.Empty:
+                return
+            started = plane._pending.start(
+                self.core,
+                job.future,
+                job.step,
+                job.bucket,
+                job.data,
+                job.layer_position,
+                job.dtype,
+                now,
+                job.servers,
+                job.out,
+                job.pinned,
+                scale=job.scale,
+            )
+            if started:
+                # world == 1 completes inside start(); deliver it now rather than at the next wake.
+                self._deliver_events()
+
+    def _send(self, dg: Datagram) -> None:
+        s = self.pushes[(dg.peer, dg.path)]
+        n = self.plane._n
+        # One frame per packet: a DATA packet's header and payload view are joined into an
+        # owned buffer, which ZeroMQ may then send without another copy.
+        data = dg.data if dg.payload is None else dg.wire()
+        n["frames_out"] += 1
+        n["packets_out"] += 1
+        n["bytes_out"] += len(data)
+        self._push(s, data)
+
+    def _push(
+        self, s: zmq.Socket[bytes], data: bytes | memoryview, buf: np.ndarray | None = None
+    ) -> None:
+        """Send one frame without blocking, behind any backlog of its socket (order kept);
+        ``buf``: the pooled buffer ``data`` lies in (see :class:`_SendBuffers`)."""
+        pending = self.backlog.get(s)
+        if pending:  # keep per-socket order: never overtake the backlog
+            pending.append((data, buf))
+            return
+        try:
+            self._send_now(s, data, buf)
+        except zmq.Again:
+            self.backlog[s] = deque([(data, buf)])
+            self.poller.register(s, zmq.POLLOUT)
+            self.plane._n["backlogged"] += 1
+
+    def _send_now(
+        self, s: zmq.Socket[bytes], data: bytes | memoryview, buf: np.ndarray | None
+    ) -> None:
+        copy = len(data) < ZERO_COPY_MIN_BYTES
+        if buf is None:
+            s.send(data, zmq.NOBLOCK, copy=copy)
+        elif copy:
+            s.send(data, zmq.NOBLOCK, copy=True)
+            self.buffers.sent(buf, None)
+        else:
+            self.buffers.sent(buf, s.send(data, zmq.NOBLOCK, copy=False, track=True))
+
+    def _flush_backlog(self, s: zmq.Socket[bytes]) -> None:
+        pending = self.backlog[s]
+        while pending:
+            data, buf = pending[0]
+            try:
+                self._send_now(s, data, buf)
+            except zmq.Again:
+                return
+            pending.popleft()
+        del self.backlog[s]
+        self.poller.unregister(s)
+
+    def _deliver_events(self) -> None:
+        plane, n = self.plane, self.plane._n
+        completed, failed = plane._pending.deliver(self.core)
+        n["completed"] += completed
+        n["failed"] += failed
+        if completed or failed:
+            plane._endpoint_stats = self.core.endpoint.stats()
