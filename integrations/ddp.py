@@ -12,13 +12,14 @@ Theory of operation
 DDP calls the hook on its autograd thread, once per gradient bucket, in ``bucket.index()``
 order, and waits on every returned Future at the end of ``backward()`` — forever: it has no
 timeout. So the hook only *enqueues*: it hands a zero-copy NumPy view of the bucket to the
-data plane (the UDP :class:`~gradlane.transport.drivers.udp.plane.Engine` or the ZeroMQ plane) with
+data plane (a :class:`~gradlane.transport.drivers.plane.Plane`: the UDP
+:class:`~gradlane.transport.drivers.udp.plane.UdpPlane` or the ZeroMQ plane) with
 ``scale=1/world`` — the plane scales only its own shard as the sum completes, so the mean
 costs no pass over the bucket (DDP's own hook divides it first) — and returns a
 ``torch.futures.Future``. The plane's thread completes it: it checks the result's dtype and size
 (DDP would silently accept a wrong one), copies it into ``bucket.buffer()`` and sets the Future.
 Nothing in the hook blocks and nothing raises: any error — a late peer (``PeerTimeout``), a
-closed engine, an unsupported dtype — fails the Future with a :class:`HookError` naming this
+closed plane, an unsupported dtype — fails the Future with a :class:`HookError` naming this
 rank, the step and the bucket, and because the hook returns ``fut.then(lambda f: f.wait())``
 the message reaches the ``RuntimeError`` that ``backward()`` raises (a bare failed Future would
 lose it).
@@ -41,8 +42,8 @@ stream; the Future is created with the bucket's device, so DDP's wait orders its
 that copy. The next step reuses the pinned buffer only after DDP has waited on this Future.
 
 In daemon mode (``mode="daemon"`` or ``GRADLANE_MODE=daemon``) the data plane is a
-:class:`~gradlane.transport.daemon.client.DaemonClient`: the host's ``gradlane daemon`` sums the
-host's ranks and runs the inter-host all-reduce; the hook itself is unchanged.
+:class:`~gradlane.transport.daemon.client.DaemonPlane`: the host's ``gradlane daemon`` sums the
+host's ranks and runs the inter-host all-reduce; the hook itself is the same.
 
 One state serves one DDP instance. Per-step statistics (:class:`StepStats`) are kept by the
 state (:meth:`GradlaneState.stats`) and logged every ``log_every`` steps.
@@ -59,9 +60,9 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,11 +79,12 @@ from gradlane.integrations.rendezvous import (
 from gradlane.scheduling.errors import ConfigError, GradlaneError
 from gradlane.transport.config import TransportConfig, loopback_config
 from gradlane.transport.core.events import CollectiveReport
-from gradlane.transport.daemon.client import DaemonClient
+from gradlane.transport.daemon.client import DaemonPlane
 from gradlane.transport.daemon.config import default_socket
 from gradlane.transport.drivers.peers import Rendezvous
-from gradlane.transport.drivers.udp.plane import Engine
-from gradlane.transport.drivers.zmq.plane import ZmqDataPlane, zmq_config
+from gradlane.transport.drivers.plane import Plane
+from gradlane.transport.drivers.udp.plane import InjectedLoss, UdpPlane
+from gradlane.transport.drivers.zmq.plane import ZmqPlane, zmq_config
 
 __all__ = [
     "HOOK_ENV_PREFIX",
@@ -115,7 +117,7 @@ class HookConfig:
     """
 
     transport: str = "udp"
-    """``udp``: the UDP engine (priorities, bounded loss, multipath); ``zmq``: the reliable
+    """``udp``: the UDP plane (priorities, bounded loss, multipath); ``zmq``: the reliable
     ZeroMQ data plane (TCP)."""
     hosts: tuple[str, ...] = ()
     """This rank's local address per path; empty: 127.0.0.1, 127.0.0.2, ... on loopback, else
@@ -136,6 +138,12 @@ class HookConfig:
     """Daemon mode: the daemon's IPC socket ('' = /tmp/gradlane-<job>.sock)."""
     connect_timeout_s: float = 60.0
     """Daemon mode: how long to wait for the daemon at start (it may start after the trainers)."""
+    inject_loss: float = 0.0
+    """Tests and demos only: the UDP plane drops this fraction of the datagrams it receives, at
+    random, before the protocol sees them (an
+    :class:`~gradlane.transport.drivers.udp.plane.InjectedLoss` seeded by the transport's
+    ``seed`` and the rank), so that loss shows on a loopback that never loses. Always 0 on a
+    real network; UDP only (ZeroMQ is reliable)."""
 
     def __post_init__(self) -> None:
         if self.transport not in _TRANSPORTS:
@@ -153,6 +161,12 @@ class HookConfig:
             raise ConfigError(f"mode={self.mode!r}: one of {', '.join(_MODES)} (GRADLANE_MODE)")
         if self.connect_timeout_s <= 0:
             raise ConfigError(f"connect_timeout_s={self.connect_timeout_s}: must be > 0")
+        if not 0.0 <= self.inject_loss < 1.0:
+            raise ConfigError(
+                f"inject_loss={self.inject_loss}: a fraction of datagrams in [0, 1) (0 = off)"
+            )
+        if self.inject_loss and self.transport == "zmq":
+            raise ConfigError("inject_loss applies to the UDP plane only (ZeroMQ is reliable)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HookConfig:
@@ -190,6 +204,7 @@ _HOOK_ENV_PARSERS: dict[str, Any] = {
     "mode": str.strip,
     "daemon_socket": str.strip,
     "connect_timeout_s": float,
+    "inject_loss": float,
 }
 
 
@@ -234,35 +249,6 @@ class _Key:
 
     def __str__(self) -> str:
         return f"step {self.step} bucket {self.bucket} (layout generation {self.generation})"
-
-
-class Plane(Protocol):
-    """What the hook needs from a data plane (the UDP engine and the ZeroMQ plane offer it)."""
-
-    def submit(
-        self,
-        step: int,
-        bucket: int,
-        data: np.ndarray,
-        layer_position: float = 0.5,
-        dtype: int | None = None,
-        servers: Sequence[int] | None = None,
-        out: np.ndarray | None = None,
-        *,
-        scale: float = 1.0,
-        pinned: bool = False,
-    ) -> concurrent.futures.Future[tuple[np.ndarray, CollectiveReport]]:
-        """All-reduce ``data`` (sum over ranks, times ``scale``), into ``out`` when given;
-        ``pinned``: every chunk protected, in class 0."""
-
-    def stats(self) -> dict[str, Any]:
-        """The plane's counters."""
-
-    def drain(self, timeout_s: float = 2.0) -> bool:
-        """Wait (bounded) until peers have what this rank sent; True when nothing is owed."""
-
-    def close(self) -> None:
-        """Fail in-flight work and release sockets and threads."""
 
 
 _serials: dict[str, itertools.count[int]] = {}
@@ -312,8 +298,6 @@ class GradlaneState:
         if transport is None:
             transport = _default_transport(hook, os.environ.get("MASTER_ADDR"))
         self.transport = transport
-        if hook.transport == "zmq" and transport.inject_loss:
-            raise ConfigError("inject_loss applies to the UDP engine only (ZeroMQ is reliable)")
         # -- transfer keys: (generation, step, bucket index); see the module docstring
         self.generation = 0
         self.step = 0
@@ -393,20 +377,23 @@ class GradlaneState:
         if isinstance(rdv, StoreRendezvous):
             rdv = rdv.channel(f"{hook.name}.{_next_serial(hook.name)}.{hook.transport}")
         if hook.transport == "udp":
-            engine = Engine(self.rank, self.world, cfg, rendezvous=rdv, local_addrs=hosts)
-            engine.start()  # publishes, then looks every peer up (bounded by the timeout)
-            return engine
+            tap = InjectedLoss(hook.inject_loss, seed=cfg.seed) if hook.inject_loss else None
+            udp = UdpPlane(
+                self.rank, self.world, cfg, rendezvous=rdv, local_addrs=hosts, rx_tap=tap
+            )
+            udp.start()  # publishes, then looks every peer up (bounded by the timeout)
+            return udp
         mine = [(h, _free_tcp_port(h)) for h in hosts]
         rdv.publish(self.rank, mine)
         endpoints = [[_tcp(h, p) for h, p in rdv.addresses(r)] for r in range(self.world)]
-        return ZmqDataPlane(self.rank, self.world, cfg, endpoints).start()
+        return ZmqPlane(self.rank, self.world, cfg, endpoints).start()
 
     def _connect_daemon(self) -> Plane:
         """Daemon mode: the host's daemon is the data plane (waits for it, bounded)."""
         hook, cfg = self.config, self.transport
         local_rank, local_world = local_rank_and_world(*self._local)
         loss = cfg.loss
-        client = DaemonClient(
+        client = DaemonPlane(
             hook.daemon_socket or default_socket(cfg.job),
             job=cfg.job,
             rank=self.rank,
@@ -414,7 +401,7 @@ class GradlaneState:
             local_rank=local_rank,
             local_world=local_world,
             connect_timeout_s=hook.connect_timeout_s,
-            # The daemon answers within its slot timeout plus its engine's hard deadline; this
+            # The daemon answers within its slot timeout plus its UDP plane's hard deadline; this
             # bound only catches a daemon that hangs without closing its socket.
             request_timeout_s=2 * loss.hard_deadline_s + 10.0,
         )
@@ -422,13 +409,13 @@ class GradlaneState:
 
     def drain(self, timeout_s: float = 2.0) -> bool:
         """Wait up to ``timeout_s`` until the peers have acknowledged what this rank sent them
-        (:meth:`gradlane.transport.drivers.udp.plane.Engine.drain`); True when nothing is owed.
+        (:meth:`gradlane.transport.drivers.plane.Plane.drain`); True when nothing is owed.
 
         The end of a job, on every rank: ``state.drain()``, ``dist.barrier()``,
         ``state.close()``. A rank finishes its last step once it has received everything,
         while a peer may still miss a datagram of it (or an ACK of its own was lost): closing
-        right away left that peer resending into silence for ``close``'s 2 s drain, and a
-        warning. The barrier keeps every engine answering until all have drained.
+        right away would leave that peer resending into silence for ``close``'s 2 s drain, and
+        a warning. The barrier keeps every plane answering until all have drained.
         """
         if self._closed:
             return True

@@ -1,6 +1,7 @@
 """Trace recorder: wraps any DDP comm hook and writes one JSON Lines record per (step, bucket).
 
-The format (``gradlane-trace`` version 1) is what the bench's replay reads; README documents it.
+The format (``gradlane-trace`` version 1) is what the bench's replay reads; docs/testbed.md
+documents it.
 The first line is a ``meta`` record (who recorded what); every other line is a ``bucket``
 record::
 

@@ -71,7 +71,7 @@ class LossConfig:
             worst case: the deadline exists to cut stragglers. (RFC 6298 uses 4 for a timeout
             that must not fire early; here a generous deadline feeds on itself — a later
             deadline lets senders skip fewer late droppable chunks, steps take longer, and the
-            learned deadline grows — which doubled the simulator's p99 over 20 steps.)
+            learned deadline grows — and the tail step time grows with it.)
         ewma_alpha: weight of a new sample in the duration EWMA (RFC 6298: 1/8).
         ewma_beta: weight of a new sample in the deviation EWMA (RFC 6298: 1/4).
         hard_deadline_s: after this long a transfer completes degraded or fails.
@@ -181,8 +181,8 @@ class LossPolicy:
         self.config = config if config is not None else LossConfig()
         # Per phase (index 0 = reduce, 1 = gather): smoothed duration and mean deviation;
         # NaN until the first clean completion. Python floats, not NumPy arrays: receivers ask
-        # for their deadlines ~75 times per rank and lossy collective, and NumPy scalar
-        # arithmetic made each ask ~3x slower (the same IEEE doubles either way).
+        # for their deadlines dozens of times per rank and lossy collective, and NumPy scalar
+        # arithmetic is several times slower than float arithmetic on the same IEEE doubles.
         self._srtt = [math.nan, math.nan]
         self._rttvar = [math.nan, math.nan]
         # Per phase: smoothed size (elements) of the transfers those durations come from.
@@ -270,7 +270,7 @@ class LossPolicy:
             raise ValueError(f"expected_elems must be >= 0, got {expected_elems}")
         key = (bool(gather), int(expected_elems))
         m = self._budgets.get(key)
-        if m is None:  # NumPy on a one-element array: ~15 us, a lookup ~0.3
+        if m is None:  # remembered: NumPy on a one-element array costs far more than a lookup
             if len(self._budgets) >= _BUDGETS_KEPT:
                 self._budgets.clear()
             m = self._budgets[key] = int(_budget(self.config.bound(gather), np.array([key[1]]))[0])

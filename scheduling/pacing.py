@@ -20,8 +20,8 @@ loss budget does not already handle and is **not** a congestion signal. Two thin
 * **protected loss**: a protected packet was dropped even though the network should have dropped
   lower classes first: the path is overloaded beyond what priorities absorb. The sender reports
   every chunk of a reliable transfer (loss bound 0) as protected: it must be resent, so its loss
-  is congestion as it is to TCP (without that, a reliable transfer on a lossy path resent into
-  the same queue at full rate as fast as it detected losses).
+  is congestion as it is to TCP (otherwise a reliable transfer on a lossy path would resend
+  into the same queue at full rate as fast as it detects losses).
 
 Either multiplies the rate by ``decrease``, at most once per smoothed RTT (one reaction per
 congestion event, as TCP's fast recovery does). While acks come back clean the rate grows by

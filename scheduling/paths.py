@@ -89,8 +89,9 @@ class PathConfig:
         loss_ratio: ...if it is also above this multiple (>= 1) of the lowest loss EWMA among
             the other UP paths. Loss every path shows — random loss on the links, acknowledgements
             lost and their packets read as lost — is no reason to move traffic off one path:
-            with an absolute threshold alone, 5% random loss on two equal paths (with the
-            acknowledgements it costs) took one of them out, and its load moved to the other.
+            with an absolute threshold alone, random loss of a few percent on two equal paths
+            (and the acknowledgements it costs) would take one of them out and move its load
+            onto the other.
         loss_alpha: weight of one packet in the loss EWMA.
         initial_rate_Bps: rate estimate of a path before it delivered anything (bytes/s).
         rtt_alpha: weight of a new sample in the smoothed RTT (RFC 6298: 1/8); the deviation
@@ -430,8 +431,8 @@ class PathSet:
         are written off here.
         """
         cfg = self.config
-        # One compiled pass (it runs every tick for every peer: a dozen NumPy operations on
-        # arrays of n_paths elements cost ~20 µs, the pass ~2).
+        # One compiled pass: it runs every tick for every peer, where NumPy would take a dozen
+        # operations on arrays of n_paths elements.
         n_down = tick_update(
             float(now),
             self._state,

@@ -96,13 +96,9 @@ class TransportConfig:
     loopback default)."""
     udp_gro: bool = True
     """Receive with UDP GRO (Linux >= 5.0) where datagrams are at most 4 KB: the kernel hands
-    over a run of a peer's equal-sized datagrams as one message, which the engine splits into
+    over a run of a peer's equal-sized datagrams as one message, which the UDP plane splits into
     its receive arena (a copy of bytes still in cache). Not for larger datagrams, where the
     copy costs about what the kernel saves (``udp.GRO_MAX_ROW``)."""
-    inject_loss: float = 0.0
-    """Tests and demos only: the UDP engine drops this fraction of the datagrams it receives,
-    at random (seeded by ``seed`` and the rank), before the protocol sees them, so that loss
-    shows on a loopback that never loses. Always 0 on a real network."""
     priority: PriorityConfig = field(default_factory=PriorityConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     paths: PathConfig = field(default_factory=PathConfig)
@@ -143,10 +139,6 @@ class TransportConfig:
             raise ConfigError(f"ack_wait_s={self.ack_wait_s}: between 0 and 1 s (0 = no wait)")
         if self.step_window < 1:
             raise ConfigError("step_window must be >= 1")
-        if not 0.0 <= self.inject_loss < 1.0:
-            raise ConfigError(
-                f"inject_loss={self.inject_loss}: a fraction of datagrams in [0, 1) (0 = off)"
-            )
 
     @property
     def tag_key(self) -> TagKey:
@@ -218,7 +210,7 @@ class TransportConfig:
 
 
 #: The nested policy configs and their types (checked at construction: a plain dict there
-#: would only fail deep inside a running engine).
+#: would only fail deep inside a running data plane).
 _NESTED: dict[str, type] = {
     "priority": PriorityConfig,
     "loss": LossConfig,
@@ -262,13 +254,11 @@ def loopback_config(**overrides: Any) -> TransportConfig:
     one lever that matters when each datagram costs a system call), and pacing that starts at
     memory speed (10 GB/s per path, 16 MiB bursts) at a fixed rate: on one host there is no
     network to congest, and the interpreter's scheduling jitter reads as queueing delay to a
-    delay-based controller, which then throttled a 100 MB all-reduce to a third of its speed.
-    Sending passes of up to 256 datagrams per path (fewer, larger batches: 14% less time for
-    4 ranks × 25 MB on 2 cores; the 16 MiB burst is what lets a pass reach 256 — with 4 MiB
-    it stopped at 64, which cost 8% more CPU at 2 ranks × 25 MB), and 64 MiB socket buffers
-    (forced when permitted): with 4 ranks at 100 MB, 16 MiB ones overflowed (1.4% of the
-    datagrams lost and resent, 25% more time). What still overflows them is recovered like
-    any loss.
+    delay-based controller, which would throttle a large all-reduce well below its speed.
+    Sending passes of up to 256 datagrams per path (fewer, larger batches; the 16 MiB burst is
+    what lets a pass reach 256), and 64 MiB socket buffers (forced when permitted): smaller
+    ones overflow when several ranks send large buckets at once. What still overflows them
+    is recovered like any loss.
     ``overrides`` replace any field (e.g. ``loss=LossConfig(...)``).
     """
     values: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Error taxonomy of the transport (STYLE rule 9).
+"""Error taxonomy of the transport: one root, :class:`GradlaneError`, and a typed error per cause.
 
 Remote garbage never propagates as a crash: decoders raise ``ProtocolError`` with a typed
 ``Reason``, the receive boundary catches it and counts it. ``PeerTimeout`` names who was late.
@@ -15,7 +15,7 @@ class ProtocolError(GradlaneError):
     """A datagram failed validation; ``reason`` is a ``wire.header.Reason``."""
 
     def __init__(self, reason: int, detail: str = "") -> None:
-        from gradlane.transport.wire.header import Reason  # noqa: PLC0415 (packet imports this module)
+        from gradlane.transport.wire.header import Reason  # noqa: PLC0415 (header imports this module)
 
         self.reason = Reason(reason)
         super().__init__(f"{self.reason.name.lower()}: {detail}" if detail else self.reason.name)

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from gradlane.integrations.cli.main import emit, progress
+from gradlane.integrations.cli.command import Command, RunProgress, emit
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["COMMAND", "add_arguments", "run"]
 
 #: What the demo trains, in words.
 _MODEL_TEXT = {
@@ -143,7 +143,8 @@ def _run_ddp(args: argparse.Namespace) -> int:
         emit("  (--inject-loss and --loss-bound apply to udp only: ZeroMQ is reliable)")
 
     try:
-        out = run_demo(opts, _progress_bar())
+        with RunProgress() as bars:
+            out = run_demo(opts, _on_progress(bars))
     except (DemoError, ValueError) as e:
         emit(f"gradlane demo failed: {e}", err=True)
         return 1
@@ -159,18 +160,14 @@ def _report(out: dict[str, Any], args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_bar() -> Callable[[str, int, int], None]:
-    """A progress callback drawing one bar per run on stderr."""
-    started: dict[str, float] = {}
+def _on_progress(bars: RunProgress) -> Callable[[str, int, int], None]:
+    """The demo's progress callback: one bar per run. Step 0 is a run whose ranks are starting
+    its data plane, which compiles gradlane's kernels on a first run (numba caches them on disk
+    for the runs after it), so the bar says so until the first step."""
 
     def on_progress(run_name: str, step: int, steps: int) -> None:
-        started.setdefault(run_name, time.perf_counter())
-        width = 30
-        filled = width * step // steps
-        bar = "#" * filled + "-" * (width - filled)
-        done = step == steps
-        took = f"  {time.perf_counter() - started[run_name]:.1f} s" if done else ""
-        progress(f"  [{bar}] {run_name:<8} {step:>4}/{steps}{took}", done=done)
+        note = "compiling kernels, first run only" if step == 0 else ""
+        bars.update(run_name, step, steps, note)
 
     return on_progress
 
@@ -207,7 +204,8 @@ def _run_testbed(args: argparse.Namespace) -> int:
     emit("  gloo      DDP's default all-reduce hook (gloo, TCP over path 0, through spine 0)")
     emit(f"  gradlane  gradlane hook over UDP, both paths, loss bound {opts.loss_bound:g}")
     try:
-        out = run_testbed_demo(opts, tb, _progress_bar())
+        with RunProgress() as bars:
+            out = run_testbed_demo(opts, tb, _on_progress(bars))
     except (DemoError, RankError, ValueError) as e:
         emit(f"gradlane demo failed: {e}", err=True)
         return 1
@@ -272,10 +270,13 @@ def _run_sim(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     rows = []
-    for cfg in (base_cfg, full_cfg):
-        rows.append(
-            run_config(cfg, net, work, args.steps, args.seed, chunk_bytes=2048, progress=True)
-        )
+    with RunProgress(label_width=20) as bars:
+        for cfg in (base_cfg, full_cfg):
+            rows.append(
+                run_config(
+                    cfg, net, work, args.steps, args.seed, chunk_bytes=2048, on_progress=bars.update
+                )
+            )
     base, full = rows
     emit("")
     emit(f"{'':<28}{'baseline (TCP-like)':>22}{'gradlane':>14}")
@@ -320,3 +321,13 @@ def _run_sim(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "results": rows}, f, indent=2, default=float)
     return 0
+
+
+#: ``gradlane demo``, registered in the ``gradlane.commands`` entry-point group (this module is
+#: light: the training code is imported by ``run``).
+COMMAND = Command(
+    help="the main job: DDP training on this machine, gloo's default hook vs gradlane's, "
+    "side by side (--network sim: the simulated leaf-spine)",
+    add_arguments=add_arguments,
+    run=run,
+)

@@ -8,8 +8,8 @@ same initialisation on the same batches (:func:`gradlane.bench.demo.training._tr
 default hook (gloo over TCP on the hosts' path-0 addresses, i.e. through the congested spine, like
 any single-path job) and with the gradlane hook over both paths (the replay's testbed transport
 config, ``gradlane.bench.replay.run.TESTBED_TRANSPORT``: MTU-sized chunks, fixed pacing at a share
-of the link, priorities, the loss bound). No loss is
-injected: what is lost, the network lost. The comparison is the loopback demo's
+of the link, priorities, the loss bound). No loss is injected: what is lost, the network
+lost. The comparison is the loopback demo's
 (:func:`gradlane.bench.demo.training._compare`); the testbed is torn down whatever happens.
 """
 

@@ -68,7 +68,11 @@ class DemoOptions:
 def run_demo(
     opts: DemoOptions, on_progress: Callable[[str, int, int], None] | None = None
 ) -> dict[str, Any]:
-    """Train twice on ``opts.ranks`` processes; returns the comparison (``"summary"`` etc.)."""
+    """Train twice on ``opts.ranks`` processes; returns the comparison (``"summary"`` etc.).
+
+    ``on_progress(run, step, steps)`` follows rank 0; step 0 says that the run's data plane is
+    starting (a gradlane run's ranks then compile or load the kernels: see
+    :mod:`gradlane.transport.drivers.warmup`)."""
     if opts.ranks < 2:
         raise ValueError("the demo needs at least 2 ranks")
     if opts.steps <= opts.warmup_steps:
@@ -191,8 +195,14 @@ def _train(
     if run == "gloo":
         rec = TraceRecorder(allreduce_hook, None, model=model)
     else:
+        if rank == 0:  # step 0: the data plane starts, compiling the kernels on a first run
+            up.put(("progress", run, 0))
         hook_cfg = HookConfig(
-            transport=opts.transport, hosts=hosts, log_every=0, name=f"demo-{run}"
+            transport=opts.transport,
+            hosts=hosts,
+            log_every=0,
+            name=f"demo-{run}",
+            inject_loss=opts.inject_loss if opts.transport == "udp" else 0.0,
         )
         state = GradlaneState(transport or gradlane_transport(opts), hook_cfg, model=model)
         rec = TraceRecorder(gradlane_hook, state, model=model)
@@ -244,7 +254,8 @@ def _train(
 
 
 def gradlane_transport(opts: DemoOptions) -> Any:
-    """The demo's transport config: two loopback paths, the loss bound, the injected loss."""
+    """The demo's transport config: two loopback paths, the loss bound, the seed (which also
+    seeds the injected loss, a setting of the hook: ``HookConfig.inject_loss``)."""
     from gradlane.scheduling.loss import LossConfig
     from gradlane.transport.config import loopback_config
     from gradlane.transport.drivers.zmq.plane import zmq_config
@@ -255,7 +266,6 @@ def gradlane_transport(opts: DemoOptions) -> Any:
     return loopback_config(
         n_paths=2,
         chunk_bytes=opts.chunk_bytes,
-        inject_loss=opts.inject_loss,
         seed=opts.seed,
         loss=LossConfig(
             loss_bound=opts.loss_bound,

@@ -3,11 +3,10 @@
 Usage::
 
     python -m gradlane.bench.perf.allreduce --ranks 2,4 --sizes 1,25,100 --reps 5 --json out.json
-    python -m gradlane.bench.perf.allreduce --quick --json /tmp/ar.json     # 2 ranks, 1 and 25 MB,
-    3 reps python -m gradlane.bench.perf.allreduce --daemon --json
-    bench/results/allreduce_daemon.json python -m gradlane.bench.perf.allreduce --chunk-bytes 1408
-    --offload-compare --no-zmq --sizes 25 python -m gradlane.bench.perf.allreduce
-    --zmq-batch-compare --sizes 25 --reps 9
+    python -m gradlane.bench.perf.allreduce --quick --json /tmp/ar.json  # 2 ranks, 1 and 25 MB
+    python -m gradlane.bench.perf.allreduce --daemon --json bench/results/allreduce_daemon.json
+    python -m gradlane.bench.perf.allreduce --chunk-bytes 1408 --offload-compare --no-zmq --sizes 25
+    python -m gradlane.bench.perf.allreduce --zmq-batch-compare --sizes 25 --reps 9
 
 ``--chunk-bytes`` sets the UDP datagrams' payload (65000 by default, loopback's largest; 1408
 is what a 1500-byte MTU carries, 8192 a jumbo frame's), and ``--offload-compare`` adds the
@@ -38,8 +37,8 @@ against gloo's: the reliable modes must match within float tolerance or the run 
 bounded mode's delivered fraction and error are reported.
 
 Each call's CPU time is measured too (user + system of the rank's process across the call,
-``getrusage``, summed over ranks): on a machine this small (2 cores) wall times swing by
-±20% run to run while the CPU a collective costs is steadier, and with more ranks than cores
+``getrusage``, summed over ranks): on a small shared machine wall times swing from run to
+run while the CPU a collective costs is steadier, and with more ranks than cores
 it is what the wall time comes down to. ``summary.<transport>_cpu_vs_gloo`` holds its ratios
 (embedded transports only: a daemon's CPU is in another process). The rows split it into
 user and system time (``cpu_user_median_s``, ``cpu_sys_median_s``): the system part is the
@@ -108,7 +107,6 @@ def _udp_config(
     chunk_bytes: int = 65000,
     gso: bool = True,
     gro: bool = True,
-    inject_loss: float = 0.0,
     seed: int = 0,
 ) -> Any:
     from gradlane.scheduling.loss import LossConfig
@@ -119,7 +117,6 @@ def _udp_config(
         chunk_bytes=chunk_bytes,
         udp_gso=gso,
         udp_gro=gro,
-        inject_loss=inject_loss,
         seed=seed,
         loss=LossConfig(
             loss_bound=loss_bound,
@@ -134,8 +131,8 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
     import torch
     import torch.distributed as dist
     from gradlane.transport.drivers.peers import StaticPeers
-    from gradlane.transport.drivers.udp.plane import Engine
-    from gradlane.transport.drivers.zmq.plane import ZmqDataPlane, zmq_config
+    from gradlane.transport.drivers.udp.plane import InjectedLoss, UdpPlane
+    from gradlane.transport.drivers.zmq.plane import ZmqPlane, zmq_config
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=_td(args["timeout"]))
@@ -149,10 +146,10 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
         if not args["daemon"]:
             kinds.append(("udp_bounded", args["loss_bound"], True, True))
         for name, bound, gso, gro in kinds:
-            cfg = _udp_config(
-                bound, args["chunk_bytes"], gso, gro, args["inject_loss"], args["seed"]
-            )
-            e = Engine(rank, world, cfg)
+            cfg = _udp_config(bound, args["chunk_bytes"], gso, gro, args["seed"])
+            loss = args["inject_loss"]
+            tap = InjectedLoss(loss, seed=args["seed"]) if loss else None
+            e = UdpPlane(rank, world, cfg, rx_tap=tap)
             closers.append(e)
             store.set(f"gl/{name}/{rank}", json.dumps(e.start()))
             engines[name] = e
@@ -171,10 +168,10 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
             }
             e.set_peers(StaticPeers(table))
         if args["daemon"]:
-            from gradlane.transport.daemon.client import DaemonClient
+            from gradlane.transport.daemon.client import DaemonPlane
 
             local = world // HOSTS
-            client = DaemonClient(
+            client = DaemonPlane(
                 args["daemon"][rank // local],
                 job=DAEMON_JOB,
                 rank=rank,
@@ -187,12 +184,12 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
             engines["daemon"] = client.start()
         elif args["zmq"]:
             eps = [json.loads(store.get(f"gl/zmq/{r}")) for r in range(world)]
-            plane = ZmqDataPlane(rank, world, zmq_config(n_paths=N_PATHS), eps)
+            plane = ZmqPlane(rank, world, zmq_config(n_paths=N_PATHS), eps)
             closers.append(plane)
             engines["zmq"] = plane.start()
             if args["zmq_batch_compare"]:
                 eps = [json.loads(store.get(f"gl/zmq1/{r}")) for r in range(world)]
-                plane = ZmqDataPlane(rank, world, zmq_config(n_paths=N_PATHS), eps, batch_bytes=0)
+                plane = ZmqPlane(rank, world, zmq_config(n_paths=N_PATHS), eps, batch_bytes=0)
                 closers.append(plane)
                 engines["zmq_unbatched"] = plane.start()
         out = _timed_loop(rank, world, engines, args, dist, torch)
@@ -584,10 +581,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --reps >= 1, rank counts >= 2 and positive sizes")
     if ns.daemon and any(r % HOSTS for r in ranks):
         ap.error(f"--daemon splits the ranks over {HOSTS} hosts: give even rank counts")
+    from gradlane.transport.drivers.udp.plane import InjectedLoss
     from gradlane.transport.errors import ConfigError
 
-    try:  # the config's own check, here rather than in every rank process
-        _udp_config(ns.loss_bound, ns.chunk_bytes, inject_loss=ns.inject_loss)
+    try:  # the configs' own checks, here rather than in every rank process
+        _udp_config(ns.loss_bound, ns.chunk_bytes)
+        InjectedLoss(ns.inject_loss)
     except ConfigError as e:
         ap.error(f"--chunk-bytes, --loss-bound or --inject-loss: {e}")
     args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,

@@ -3,23 +3,23 @@
 Usage::
 
     python -m gradlane.bench.perf.core_cpu --ranks 2,4 --sizes 1,25 --reps 20 --json out.json
-    python -m gradlane.bench.perf.core_cpu --ranks 4 --sizes 25 --profile /tmp/core.prof   #
-    cProfile of the cores
+    python -m gradlane.bench.perf.core_cpu --ranks 4 --sizes 25 --profile /tmp/core.prof
+        # (cProfile of the cores)
 
 Every rank is a :class:`~gradlane.transport.core.collective.TransposeAllReduce` driven the way the
 engine drives one (``start``, then service passes: ``datagrams_to_send`` — which processes the
 received batch first — timers, events), on a simulated clock that advances per round by the longest
 pass of the round (the ranks run side by side in reality), at least ``--tick-us``. Between passes
-the harness moves each rank's datagrams into its peers' receive arenas, at most
-``udp.READ_BURST`` per peer and pass, committed as one batch: what ``recvmmsg`` does in the
-engine. Only the cores' calls are timed (``time.thread_time``): the harness's own copying stands
-in for the kernel's and is not counted.
+the harness moves each rank's datagrams into its peers' receive arenas, at most ``READ_BURST``
+(:mod:`gradlane.transport.drivers.udp.sockets`) per peer and pass, committed as one batch: what
+``recvmmsg`` does in the engine. Only the cores' calls are timed (``time.thread_time``): the
+harness's own copying stands in for the kernel's and is not counted.
 
 What it measures is the user-space CPU one rank spends per collective — the numba kernels and
 the Python around them — without the system calls, the scheduler and the other processes that
-make the loopback benchmarks swing by ±10-20% on a small machine. Run to run it repeats within
-a few percent, so it shows a change to the core's per-batch or per-transfer work that the
-end-to-end benchmarks cannot resolve. It is a regression measure for the core, not a
+make the loopback benchmarks swing on a small machine. It repeats far more closely from run
+to run, so it shows a change to the core's per-batch or per-transfer work that the end-to-end
+benchmarks cannot resolve. It is a regression measure for the core, not a
 transport benchmark: there is no network, no loss and no contention in it.
 
 The JSON has one row per (ranks, MB) with ``cpu_ms_per_rank`` (median over repetitions of the

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m gradlane.bench.perf.ddp_step --json out.json                 # 2 and 4 ranks, UDP and
-    ZeroMQ python -m gradlane.bench.perf.ddp_step --ranks 2 --steps 10 --transports udp
+    python -m gradlane.bench.perf.ddp_step --json out.json  # 2 and 4 ranks, UDP and ZeroMQ
+    python -m gradlane.bench.perf.ddp_step --ranks 2 --steps 10 --transports udp
 
 For each rank count the parent spawns one process per rank (gloo group on a TCPStore on
 127.0.0.1, exported as ``MASTER_ADDR``/``MASTER_PORT`` like torchrun does). Every rank builds
@@ -11,11 +11,11 @@ the same model (an MLP with 6 × 1024² weights: 25.5 MB of float32 gradients, D
 buckets) once per variant from the same seed: DDP with no hook (its built-in gloo all-reduce),
 and DDP with :func:`~gradlane.integrations.ddp.gradlane_hook` over a *reliable* data plane (UDP
 engine with ``loopback_config()`` and loss bound 0: two loopback paths, 65000-byte chunks; and the
-ZeroMQ plane), plus DDP's no-op
-hook (no communication: the step's compute alone, for headroom), and, with ``--transports
-udp,floor``, a hook over ``gradlane.bench.perf.udp_floor``'s batched protocol-free UDP all-reduce
-(what a UDP hook with no protocol at all would cost). After warm-up steps
-(DDP's bucket rebuild, first allocations), each measured step runs every variant once, the
+ZeroMQ plane), plus DDP's no-op hook (no communication: the step's compute alone, for
+headroom), and, with ``--transports udp,floor``, a hook over
+``gradlane.bench.perf.udp_floor``'s batched protocol-free UDP all-reduce (what a UDP hook with no
+protocol at all would cost). After warm-up steps (DDP's bucket rebuild, first allocations),
+each measured step runs every variant once, the
 order rotating from step to step, each behind a barrier; a rank times forward + backward +
 optimizer step, and the step time is the slowest rank's (a gloo MAX all-reduce of the times).
 Each step's CPU time is measured too (user + system of every rank's process over the step, its

@@ -1,7 +1,8 @@
 """How fast could a Python UDP all-reduce be on this machine? A protocol-free floor against gloo.
 
-``python -m gradlane.bench.perf.udp_floor [--ranks 2,4] [--sizes 25,100] [--reps 15] [--json
-out.json]``
+Usage::
+
+    python -m gradlane.bench.perf.udp_floor --ranks 2,4 --sizes 25,100 --reps 15 --json out.json
 
 Each rank runs the same transpose all-reduce as gradlane (reduce-scatter by direct all-to-all,
 then all-gather) over one raw UDP socket on loopback, with nothing of a transport around it: no
@@ -189,6 +190,8 @@ class _MmsgFloor:
 
     def _lay_out(self, phase: int, rep: int, buf: np.ndarray) -> np.ndarray:
         """Every datagram of ``phase`` in the send table; returns the rows per peer."""
+        from gradlane.transport.drivers.udp.mmsg import RunRows
+
         b, me, el = self.bounds, self.me, self.el
         self.batch.clear()
         plan = []
@@ -206,11 +209,16 @@ class _MmsgFloor:
             self.hdrs[at : at + k] = np.stack(
                 [np.full(k, rep), np.full(k, phase), offs, cnts], axis=1
             ).astype(np.uint32)
-            self.batch.append(
-                j, int(self.hdrs.ctypes.data), HDR.size, np.arange(at, at + k, dtype=np.int64),
-                int(buf.ctypes.data), 4 * offs, 4 * cnts, np.full(k, j, dtype=np.int64),
-                self.names, self.controls,
-            )  # fmt: skip
+            rows = RunRows(
+                int(self.hdrs.ctypes.data),
+                HDR.size,
+                np.arange(at, at + k, dtype=np.int64),
+                int(buf.ctypes.data),
+                4 * offs,
+                4 * cnts,
+                np.full(k, j, dtype=np.int64),
+            )
+            self.batch.append(j, rows, self.names, self.controls)
             at += k
         return self.batch.fill.copy()
 

@@ -185,10 +185,10 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
         seed=seed,
         priority=prio,
         loss=loss,
-        # Emulated hosts share two cores with the switches' forwarding: a rank can go unserved
+        # Emulated hosts share a few cores with the switches' forwarding: a rank can go unserved
         # for tens of milliseconds, so silence means a dead path only after much longer than on
-        # real hardware (with the defaults, 50 ms / 200 ms, a congested run sent every byte of
-        # udp-bounded over the congested spine: the idle one had been written off).
+        # real hardware (with the defaults, 50 ms / 200 ms, a congested run would write the idle
+        # spine off and send everything over the congested one).
         paths=PathConfig(suspect_after_s=net.suspect_after_s, down_after_s=4 * net.suspect_after_s),
         pacing=PacingConfig(
             controller=net.controller,
@@ -341,7 +341,7 @@ class _Rank:
             for k, cfg in enumerate(cfgs):
                 engines.append(None if cfg.transport == "gloo" else self._engine(k, cfg))
             self._replay(cfgs, engines)
-            for engine in engines:  # peers have what this rank sent (Engine.drain)...
+            for engine in engines:  # peers have what this rank sent (UdpPlane.drain)...
                 if engine is not None:
                     engine.drain()
             self.dist.barrier()  # ...on every rank before any engine stops answering
@@ -355,12 +355,12 @@ class _Rank:
 
     def _engine(self, k: int, cfg: ReplayConfig) -> Any:
         from gradlane.transport.drivers.peers import StaticPeers
-        from gradlane.transport.drivers.udp.plane import Engine
+        from gradlane.transport.drivers.udp.plane import UdpPlane
 
         n_paths = len(self.addrs) if cfg.multipath else 1
         seed = int(self.job["seed"]) * 1000 + self.rank
         tcfg = transport_config(cfg, self.net, len(self.addrs), self.world, seed)
-        eng = Engine(self.rank, self.world, tcfg, local_addrs=self.addrs[:n_paths])
+        eng = UdpPlane(self.rank, self.world, tcfg, local_addrs=self.addrs[:n_paths])
         try:
             self.store.set(f"replay/{k}/{self.rank}", json.dumps(eng.start()))
             table = {

@@ -4,10 +4,10 @@ The replay (:mod:`gradlane.bench.replay.run`) and the testbed demo
 (:mod:`gradlane.bench.demo.testbed`) start their ranks where they must run — a local process, or
 inside a testbed host's network namespace (``Host.popen``) — so nothing but the pipes joins a rank
 to its parent. Protocol: the parent writes one JSON object (the job) and a newline to the rank's
-stdin and closes it; the rank writes
-JSON objects, one per line, to stdout: any ``type`` its parent understands, then ``{"type":
-"done"}`` when it finished, or ``{"type": "error", "message": ..., "tb": ...}`` before it exits
-non-zero. stderr goes to a temporary file per rank, whose tail is quoted when a rank fails.
+stdin and closes it; the rank writes JSON objects, one per line, to stdout: any ``type`` its parent
+understands, then ``{"type": "done"}`` when it finished, or ``{"type": "error", "message": ...,
+"tb": ...}`` before it exits non-zero. stderr goes to a temporary file per rank, whose tail is
+quoted when a rank fails.
 
 :class:`RankPipes` is a context manager: every rank is stopped (SIGTERM, then SIGKILL) and every
 file closed on exit, whatever happened.

@@ -4,11 +4,10 @@ Usage::
 
     python -m gradlane.bench.replay.record --models mlp,cnn,bert --out bench/replay/traces
 
-Each model trains for ``--steps`` steps on ``--ranks`` processes (gloo over loopback, DDP's
-default 25 MB buckets) with DDP's default all-reduce hook wrapped in
-:class:`~gradlane.integrations.trace.TraceRecorder`; every rank records its buckets, and the
-parent merges
-them into ``<out>/<model>.jsonl``: one meta record, then the bucket records ordered by (step,
+Each model trains for ``--steps`` steps on ``--ranks`` processes (gloo over loopback, DDP's default
+25 MB buckets) with DDP's default all-reduce hook wrapped in
+:class:`~gradlane.integrations.trace.TraceRecorder`; every rank records its buckets, and the parent
+merges them into ``<out>/<model>.jsonl``: one meta record, then the bucket records ordered by (step,
 rank, bucket). Step 0 is DDP's whole-model bucket; the buckets are rebuilt after it.
 
 Models (torch.nn): ``mlp`` (64-256-256-10) and ``cnn`` on scikit-learn's digits, 32 images per

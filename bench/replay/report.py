@@ -1,8 +1,7 @@
-"""The replay's report: statistics per configuration, the issue's summary, and PNG plots.
+"""The replay's report: statistics per configuration, a summary of headline ratios, PNG plots.
 
 :func:`build` turns the merged per-step records of :func:`gradlane.bench.replay.run.run_replay` into
-the JSON
-document (``"summary"`` first); :func:`write` saves it with three plots beside it:
+the JSON document (``"summary"`` first); :func:`write` saves it with three plots beside it:
 
 * ``<out>_cdf.png`` — CDF of the per-step communication time (first bucket ready → last bucket
   done, the slowest rank) per configuration;

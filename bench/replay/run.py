@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 from gradlane.bench.replay.rank import NetParams, ReplayConfig, config_names, describe
 from gradlane.bench.replay.rank_pipes import RankError, RankPipes
-from gradlane.integrations.cli.main import emit, progress
+from gradlane.integrations.cli.command import RunProgress, emit
 from gradlane.integrations.trace import read_trace
 from gradlane.transport.errors import GradlaneError
 
@@ -465,13 +465,11 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
         default=TESTBED_TRANSPORT["controller"],
         help="gradlane's pacing controller (default fixed: an even share of the link per peer)",
     )
-    # Fixed by default for the reason loopback_config() gives: the emulated hosts share two
-    # cores with the switches, and the delay-based controller reads scheduling delay as
-    # queueing. Measured (4 hosts, 1 Gbit/s, no cross traffic, 30 steps): one path ran at 46
-    # Mbit/s with loss-tolerant pacing against 234 with fixed.
-    # Measured on this 2-core machine (4 hosts, 1 Gbit/s, no cross traffic, reliable): 4-packet
-    # bursts and no receive batching ran at 77 Mbit/s per rank at 200 Mbit/s links, 64-packet
-    # bursts with 1 ms batching at 221 (and 374 at 1 Gbit/s): fewer, larger service passes.
+    # Fixed pacing by default for the reason loopback_config() gives: the emulated hosts share
+    # a few cores with the switches, and the delay-based controller reads scheduling delay as
+    # queueing, which holds a path far below its link rate. Large send bursts (64 packets) and
+    # receive batching (1 ms) serve the links in fewer, larger passes, which such hosts need to
+    # fill them.
     tb.add_argument(
         "--tx-quantum",
         type=int,
@@ -518,25 +516,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         emit(f"gradlane bench replay: {e}", err=True)
         return 2
-    started: dict[str, float] = {}
-
-    def on_progress(config: str, step: int, steps: int) -> None:
-        started.setdefault(config, time.perf_counter())
-        width = 30
-        bar = "#" * (width * step // steps) + "-" * (width - width * step // steps)
-        took = f"  {time.perf_counter() - started[config]:.1f} s" if step == steps else ""
-        progress(f"  [{bar}] {config:<22} {step:>4}/{steps}{took}", done=step == steps)
-
     command = (
         "gradlane " + shlex.join(sys.argv[1:])
         if sys.argv[1:2] == ["bench"]
         else ("python -m gradlane.bench.replay.run " + shlex.join(sys.argv[1:]))
     )
     try:
-        if args.network == "loopback":
-            raw = run_replay(opts, LoopbackNetwork(args.ranks), on_progress)
-        else:
-            raw = _on_testbed(args, preset, opts, on_progress)
+        with RunProgress(label_width=22) as bars:
+            if args.network == "loopback":
+                raw = run_replay(opts, LoopbackNetwork(args.ranks), bars.update)
+            else:
+                raw = _on_testbed(args, preset, opts, bars.update)
     except ReplayError as e:
         emit(f"gradlane bench replay failed: {e}", err=True)
         return 1

@@ -5,7 +5,7 @@ Usage::
     python -m gradlane.bench.replay.synth --model big_mlp:512x4 --steps 40 --out t4m.jsonl
     python -m gradlane.bench.replay.synth --params-json params.json --bucket-cap-mb 25 --out t.jsonl
 
-The output is the ``gradlane-trace`` v1 format the recorder writes (README,
+The output is the ``gradlane-trace`` v1 format the recorder writes (docs/testbed.md,
 ``integrations/trace.py``), so :mod:`gradlane.bench.replay.run` reads both alike. What is
 synthesised:
 

@@ -271,7 +271,7 @@ class Network:
         """Install the topology's router and the number of distinct paths between hosts.
 
         ``check=False`` skips checking that each route is a connected chain (for the
-        built-in topologies, whose routers are tested; it makes a first use ~10× cheaper).
+        built-in topologies, whose routers are tested; the check costs more than the route).
         """
         if n_paths < 1:
             raise ConfigError("n_paths must be >= 1")

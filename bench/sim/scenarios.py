@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 from gradlane.bench.sim.simulator import GBPS, Network, Simulation, leafspine, measure_event_rate
+from gradlane.integrations.cli.command import RunProgress, emit
 from gradlane.scheduling.loss import LossConfig
 from gradlane.scheduling.pacing import PacingConfig
 from gradlane.scheduling.priority import PriorityConfig
@@ -173,9 +174,11 @@ def run_config(
     steps: int,
     seed: int,
     chunk_bytes: int = 8192,
-    progress: bool = False,
+    on_progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``steps`` steps of the workload under one configuration; per-step times and stats."""
+    """Run ``steps`` steps of the workload under one configuration; per-step times and stats.
+
+    ``on_progress(config, step, steps)`` hears of every finished step."""
     network = net.build()
     tcfg = transport_config(cfg, net, chunk_bytes)
     eps = [TransposeAllReduce(r, net.ranks, replace(tcfg, seed=seed + r)) for r in range(net.ranks)]
@@ -222,8 +225,8 @@ def run_config(
             errors.append(err / max(float(np.linalg.norm(exact[ev.bucket])), 1e-30))
         if log.done == n_expect:
             log.ended = now
-            if progress:
-                sys.stderr.write(f"\r  {cfg.name}: step {ev.step + 1}/{steps}   ")
+            if on_progress is not None:
+                on_progress(cfg.name, ev.step + 1, steps)
             if ev.step + 1 < steps:
                 start_step(ev.step + 1, now + work.forward_gap_s)
 
@@ -235,8 +238,6 @@ def run_config(
         until=steps * 5.0,
     )
     wall = time.perf_counter() - wall
-    if progress:
-        sys.stderr.write("\n")
     if failures:
         raise RuntimeError(f"{cfg.name}: {failures[0]}")
     times = np.array([lg.ended - lg.started for lg in logs if lg.done == n_expect])
@@ -353,15 +354,16 @@ def run(args: argparse.Namespace) -> int:
         else tuple(c for c in CONFIGS if c.name in args.configs.split(","))
     )
     rows = []
-    for cfg in chosen:
-        rows.append(run_config(cfg, net, work, steps, args.seed, args.chunk_bytes, progress=True))
+    with RunProgress(label_width=20) as bars:
+        for cfg in chosen:
+            rows.append(run_config(cfg, net, work, steps, args.seed, args.chunk_bytes, bars.update))
     base = next((r for r in rows if r["config"] == "flat-reliable"), rows[0])
     full = next((r for r in rows if r["config"].startswith("+multipath")), rows[-1])
     _table(rows, base)
     scale = None
     if args.scale_ranks:
         scale = scale_run(64 if args.quick else args.scale_ranks, args.seed)
-        print(
+        emit(
             f"\nscale: {scale['ranks']} ranks, one step in {scale['wall_s_per_step']:.1f} s wall "
             f"({scale['events']['packet_per_s']:,.0f} packet events/s)"
         )
@@ -370,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     # The simulator's own capacity (endpoints that do no work), and the end-to-end rate with
     # the real protocol cores, whose per-packet Python work dominates.
     sim_rate = measure_event_rate()
-    print(
+    emit(
         f"simulator: {sim_rate:,.0f} packet events/s alone; "
         f"{sum(events) / sum(wall):,.0f} with the real cores"
     )
@@ -383,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
         "max_ranks_simulated": max(args.ranks, scale["ranks"] if scale else 0),
         "wall_s_per_step_at_max_ranks": scale["wall_s_per_step"] if scale else None,
     }
-    print("\nsummary: " + json.dumps(summary))
+    emit("\nsummary: " + json.dumps(summary))
     if args.json:
         doc = {
             "summary": summary,
@@ -405,11 +407,11 @@ def _table(rows: list[dict[str, Any]], base: dict[str, Any]) -> None:
         f"{'config':<20}{'p50 ms':>9}{'p99 ms':>9}{'p99/base':>10}{'front ms':>10}"
         f"{'back ms':>9}{'delivered':>11}{'rel.err':>9}"
     )
-    print(head)
-    print("-" * len(head))
+    emit(head)
+    emit("-" * len(head))
     for r in rows:
         s = r["step_s"]
-        print(
+        emit(
             f"{r['config']:<20}{s['p50'] * 1e3:>9.2f}{s['p99'] * 1e3:>9.2f}"
             f"{s['p99'] / base['step_s']['p99']:>10.2f}{r['front_bucket_done_p50_s'] * 1e3:>10.2f}"
             f"{r['back_bucket_done_p50_s'] * 1e3:>9.2f}{r['delivered_fraction_min']:>11.4f}"

@@ -3,8 +3,8 @@
 Theory of operation
 -------------------
 A :class:`~gradlane.bench.sim.network.Network` describes hosts, switches and directional links; a
-:class:`Simulation` runs it with one :class:`gradlane.transport.core.events.Endpoint` per host (host
-``i`` runs rank ``i``) on a simulated clock. Everything happens in one heap of
+:class:`Simulation` runs it with one :class:`gradlane.transport.core.events.SansIOCore` per host
+(host ``i`` runs rank ``i``) on a simulated clock. Everything happens in one heap of
 ``(time, seq, kind, a, b)`` tuples; ``seq`` is a global counter, so equal times resolve in the
 order events were scheduled and a run is a pure function of the network, the endpoints and the
 seed.
@@ -85,7 +85,7 @@ from gradlane.bench.sim.cross import stream as _stream
 from gradlane.bench.sim.network import DEFAULT_DSCP_CLASSES, CrossTraffic, LinkSpec, Network, Router
 from gradlane.bench.sim.topology import GBPS, dumbbell, leafspine, pair, star
 from gradlane.scheduling.errors import ConfigError, GradlaneError
-from gradlane.transport.core.events import Datagram, DatagramRun, Endpoint, Event, flat
+from gradlane.transport.core.events import Datagram, DatagramRun, Event, SansIOCore, flat
 
 __all__ = [
     "DEFAULT_DSCP_CLASSES",
@@ -131,7 +131,7 @@ class Simulation:
     def __init__(
         self,
         network: Network,
-        endpoints: Sequence[Endpoint | None],
+        endpoints: Sequence[SansIOCore | None],
         *,
         seed: int = 0,
         on_event: OnEvent | None = None,
@@ -687,7 +687,7 @@ def measure_event_rate(
     net = leafspine(n_hosts, 2, min(8, n_hosts))
     tos = (46 << 2, 34 << 2, 0, 8 << 2)
     payload = bytes(size)
-    eps: list[Endpoint | None] = []
+    eps: list[SansIOCore | None] = []
     for h in range(n_hosts):
         dgs = [
             Datagram(payload, (h + 1 + i % (n_hosts - 1)) % n_hosts, i & 1, tos[(i >> 1) & 3])

@@ -11,24 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from gradlane.bench.testbed.netns import (
-    Testbed,
-    TestbedError,
-    TestbedSpec,
-    attach,
-    down_all,
-    load_state,
-    privilege,
-    state_path,
-)
-from gradlane.integrations.cli.main import emit
-from gradlane.transport.errors import GradlaneError
+from gradlane.integrations.cli.command import Command, emit
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["COMMAND", "add_arguments", "run"]
+
+# The testbed's modules are imported inside the functions: ``gradlane`` loads COMMAND to list
+# the subcommands, and they import numba (through gradlane.scheduling).
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``gradlane testbed``."""
+    from gradlane.bench.testbed.netns import TestbedSpec
+
     p.add_argument("action", choices=["up", "down", "status"])
     defaults = TestbedSpec()
     p.add_argument("--hosts", type=int, default=defaults.hosts)
@@ -49,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from gradlane.bench.testbed.netns import Testbed, TestbedSpec, state_path
+
     spec = TestbedSpec(
         hosts=args.hosts,
         spines=args.spines,
@@ -72,6 +68,8 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from gradlane.bench.testbed.netns import attach, load_state, state_path
+
     state = load_state(args.prefix)
     if state is None:
         emit(f"no testbed {args.prefix!r} recorded at {state_path(args.prefix)}", err=True)
@@ -110,6 +108,9 @@ def _status(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradlane testbed ACTION``; returns the exit code."""
+    from gradlane.bench.testbed.netns import TestbedError, down_all, privilege
+    from gradlane.transport.errors import GradlaneError
+
     try:
         privilege()
         if args.action == "up":
@@ -125,3 +126,11 @@ def run(args: argparse.Namespace) -> int:
     except GradlaneError as exc:  # ConfigError: bad options
         emit(f"gradlane testbed {args.action}: {exc}", err=True)
         return 2
+
+
+#: ``gradlane testbed``, registered in the ``gradlane.commands`` entry-point group.
+COMMAND = Command(
+    help="the emulated leaf-spine of network namespaces: testbed up|down|status",
+    add_arguments=add_arguments,
+    run=run,
+)

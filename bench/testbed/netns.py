@@ -17,7 +17,7 @@ spine, different connections spread).
 
 All links are veth pairs with MTU 9000: gradlane's default 8 KiB chunks travel in one frame and
 gloo's TCP gets the same jumbo MSS, which is also what keeps packet rates (and CPU) low enough
-for two shared cores. ``gso_max_segs 1`` on every interface makes each socket buffer one wire
+for a small machine. ``gso_max_segs 1`` on every interface makes each socket buffer one wire
 packet, so queue limits in packets and random drops per packet mean what they say (a 64 KiB TSO
 burst would otherwise be queued, shaped and dropped as one unit).
 

@@ -1,12 +1,12 @@
 """Measure what the testbed delivers: generator rates, shaping, drops, priority, impairment, CPU.
 
-``python -m gradlane.bench.testbed.selfcheck --json bench/results/testbed_check.json`` (or
-``gradlane testbed
-check``) builds a 4-host, 2-spine, 1 Gbit/s testbed and runs, each for ``--seconds``:
+``python -m gradlane.bench.testbed.selfcheck --json bench/results/testbed_check.json``
+builds a 4-host, 2-spine, 1 Gbit/s testbed and runs, each for
+``--seconds``:
 
-- ``udp700``: a 700 Mbit/s UDP flow host0 -> host1 over spine 0 (the 70 % cross traffic of the
-  issue's targets): the rate the sender, the bottleneck port and the sink each saw, tc drops,
-  and the CPU the sender and sink processes used;
+- ``udp700``: a 700 Mbit/s UDP flow host0 -> host1 over spine 0 (the 70 % cross traffic the
+  testbed demo and replay run): the rate the sender, the bottleneck port and the sink each saw,
+  tc drops, and the CPU the sender and sink processes used;
 - ``udp1300``: the same flow at 130 % of the link: the sink gets the link rate, tc counts drops;
 - ``tcp_bulk``: one unpaced TCP flow (what the shaper gives TCP);
 - ``onoff``: 700 Mbit/s in on/off bursts (mean 20 ms each): the long-run rate halves;

@@ -3,8 +3,7 @@
 Every switch egress port gets an htb root with one shaped class (the link rate) and a pfifo
 queue under it. With ``priority`` the shaped class is split into one htb class per priority
 class of :class:`gradlane.scheduling.priority.PriorityConfig` plus a best-effort class for
-everything
-else (gloo, unmarked cross traffic), selected by the u32 classifier on the IP TOS byte:
+everything else (gloo, unmarked cross traffic), selected by the u32 classifier on the IP TOS byte:
 
 =========  ======  ==========  =====================================================
 htb prio   DSCP    queue       role
@@ -20,9 +19,9 @@ Each class is guaranteed a small share (:data:`ASSURED_SHARE`) so none starves, 
 up to the link rate; htb lends spare tokens to the lowest ``prio`` first, which makes the order
 close to strict priority. Shorter queues for the lower classes make them drop first.
 
-The kernel here has htb, tbf, pfifo/bfifo and u32 but not netem, prio or fq; this module uses
-only the first group. Functions here build ``tc -batch`` lines and parse ``tc -s -j`` output;
-running them is the testbed's job.
+Only htb, pfifo and the u32 classifier are used: kernels built without netem, prio or fq (as some
+container and VM kernels are) still have them. Functions here build ``tc -batch`` lines and parse
+``tc -s -j`` output; running them is the testbed's job.
 """
 
 from __future__ import annotations

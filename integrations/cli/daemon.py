@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from gradlane.integrations.cli.main import emit
+from gradlane.integrations.cli.command import emit
 from gradlane.integrations.rendezvous import RendezvousError, StoreRendezvous
 from gradlane.scheduling.errors import GradlaneError
 from gradlane.transport.daemon.config import DaemonConfig, load, parse_address

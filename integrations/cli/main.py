@@ -1,4 +1,12 @@
-"""The ``gradlane`` command line: one table of subcommands, each imported only when used.
+"""The ``gradlane`` command line: the subcommands registered in the ``gradlane.commands`` group.
+
+Every distribution may add subcommands through the entry-point group ``gradlane.commands``
+(see :mod:`gradlane.integrations.cli.command`); gradlane's own are declared in its
+``pyproject.toml``, each by the package that owns it, so this module imports none of them.
+Listing them loads each entry point's light :class:`~gradlane.integrations.cli.command.Command`;
+a command's options and code are loaded only when it is chosen, so ``gradlane --help`` stays
+fast and imports neither torch nor numba. A command that fails to load is skipped with a line
+on stderr: a broken plugin does not break the others.
 
 All user-facing output of the package goes through :func:`emit` (STYLE rule 10).
 """
@@ -6,59 +14,44 @@ All user-facing output of the package goes through :func:`emit` (STYLE rule 10).
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from importlib.metadata import entry_points
 
+from gradlane.integrations.cli.command import Command, emit
 from gradlane.transport import __version__
 
-__all__ = ["emit", "main", "progress"]
+__all__ = ["GROUP", "commands", "emit", "main"]
 
-#: name -> (module, one-line help). Each module offers ``add_arguments(parser)`` and ``run(args)``;
-#: imports are lazy so ``gradlane --help`` stays fast and never imports torch or numba.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": (
-        "gradlane.bench.demo.cli",
-        "the main job: DDP training on this machine, gloo's default hook vs gradlane's, "
-        "side by side (--network sim: the simulated leaf-spine)",
-    ),
-    "netsim": ("gradlane.bench.sim.scenarios", "all-reduce scenarios on the simulated network"),
-    "daemon": (
-        "gradlane.integrations.cli.daemon",
-        "run this host's transport daemon (trainers connect with GRADLANE_MODE=daemon)",
-    ),
-    "stats": ("gradlane.integrations.cli.stats", "print a gradlane daemon's metrics"),
-    "bench": (
-        "gradlane.bench.replay.run",
-        "benchmarks: `bench replay TRACE` replays a trace over gloo and gradlane",
-    ),
-    "testbed": (
-        "gradlane.bench.testbed.cli",
-        "the emulated leaf-spine of network namespaces: testbed up|down|status",
-    ),
-}
+#: The entry-point group that registers subcommands.
+GROUP = "gradlane.commands"
 
 
-def emit(text: str = "", *, err: bool = False) -> None:
-    """Write one line of user-facing output (stdout, or stderr with ``err``)."""
-    stream = sys.stderr if err else sys.stdout
-    stream.write(text + "\n")
-    stream.flush()
+def commands() -> dict[str, Command]:
+    """The registered subcommands by name, in the order of their distributions' metadata.
 
-
-def progress(text: str, *, done: bool = False) -> None:
-    """Redraw one status line on stderr (a progress bar); ``done`` ends it with a newline.
-
-    Off a terminal (logs, CI) only the ``done`` lines are written.
+    An entry point that fails to load, or loads something that is not a command (no ``help``,
+    ``add_arguments`` and ``run``), is skipped with a line on stderr; of two with one name, the
+    first found is kept.
     """
-    if sys.stderr.isatty():
-        sys.stderr.write("\r" + text + "\x1b[K" + ("\n" if done else ""))
-    elif done:
-        sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+    found: dict[str, Command] = {}
+    for ep in entry_points(group=GROUP):
+        if ep.name in found:
+            continue
+        try:
+            command = ep.load()
+        except Exception as e:  # a plugin may fail in any way; it must not take the CLI down
+            emit(f"gradlane: skipping command {ep.name!r} ({ep.value}): {type(e).__name__}: {e}",
+                 err=True)  # fmt: skip
+            continue
+        if not all(hasattr(command, a) for a in ("help", "add_arguments", "run")):
+            emit(f"gradlane: skipping command {ep.name!r} ({ep.value}): not a Command", err=True)
+            continue
+        found[ep.name] = command
+    return found
 
 
-def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+def _parser(argv: Sequence[str], registered: dict[str, Command]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradlane",
         description="gradlane: a network transport for data-parallel gradient traffic "
@@ -66,25 +59,24 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gradlane {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
-        # Arguments are declared by the subcommand's module, loaded only for that subcommand.
+    for name, command in registered.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        p.set_defaults(_run=command.run)
+        # Only the chosen command declares its options: declaring them may import its code.
         if argv and argv[0] == name:
-            importlib.import_module(module).add_arguments(p)
+            command.add_arguments(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradlane`` console script; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser(argv)
+    parser = _parser(argv, commands())
     args = parser.parse_args(argv)
-    module = getattr(args, "_module", None)
-    if module is None:
+    run = getattr(args, "_run", None)
+    if run is None:
         parser.print_help()
         return 0
-    run: Callable[[argparse.Namespace], int] = importlib.import_module(module).run
     return int(run(args) or 0)
 
 

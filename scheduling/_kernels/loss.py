@@ -3,10 +3,10 @@
 
 A receiving transfer holds its senders' chunks as rows of one matrix: every sender sends the
 same chunks of the same shard, so one ``counts`` row gives the elements of every chunk.
-:meth:`LossPolicy.decide` takes per-sender lists of any lengths and answers with ~60 NumPy
-operations: ~300 µs for three senders of 21 chunks on this project's 2-core machine, several
-times per lossy collective and rank, where the numbers are a few dozen. These kernels compute
-the same per-sender sums and the same ordered ``need`` rows in one pass each (a few µs).
+:meth:`LossPolicy.decide` takes per-sender lists of any lengths and answers with some sixty
+NumPy operations, each paying interpreter and dispatch overhead on arrays of a few dozen entries,
+several times per lossy collective and rank. These kernels compute the same per-sender sums and
+the same ordered ``need`` rows in one pass each.
 
 The arithmetic is that of ``_Flat`` exactly (integer sums, the same order), for a receiver that
 knows no classes (its chunks all rank as the unknown class), and the tests hold

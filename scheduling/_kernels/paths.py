@@ -2,10 +2,11 @@
 :class:`~gradlane.scheduling.paths.PathSet`.
 
 An ACK touches a handful of per-path numbers (a few paths, a few dozen packets). Written with
-numpy, that update was ~60 small-array operations, ~150 µs per ACK: the largest protocol cost of a
-fast transfer. One compiled pass over the packets and paths does the same in about a microsecond.
-Assignment (``assign_plan`` then ``assign_spread``) and the send accounting (``sent_update``) were
-likewise dozens of small-array calls per sending batch (~100 µs).
+numpy, that update takes some sixty small-array operations per ACK, each paying interpreter and
+dispatch overhead, which would make it the largest protocol cost of a fast transfer; one compiled
+pass over the packets and paths does the same. Assignment (``assign_plan`` then
+``assign_spread``) and the send accounting (``sent_update``) likewise replace dozens of
+small-array calls per sending batch.
 
 The arithmetic is exactly that of the numpy formulations kept in ``tests/support/naive.py`` (tests
 compare them): same operation order, numpy's pairwise summation where numpy sums (``_np_sum``),
@@ -37,7 +38,7 @@ _UP, _SUSPECT, _DOWN = 0, 1, 2
 # Frac part of the golden ratio: the Weyl sequence frac(offset + k·φ) is the most evenly
 # spread of its kind (three-distance theorem), so every prefix of a batch is split in proportion.
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
-_PW_BLOCKSIZE = 128  # numpy's pairwise-summation block (numpy/_core/src/umath/loops_utils.h)
+_PW_BLOCKSIZE = 128  # numpy's pairwise-summation block (PW_BLOCKSIZE in its umath loops)
 
 #: :func:`assign_plan` results: the paths are written; or draw an offset and call
 #: :func:`assign_spread` for every packet with the main weights; or split protected/unprotected.
@@ -207,8 +208,8 @@ def _np_block_sum(a: np.ndarray, lo: int, n: int) -> float:
 @njit(cache=True, nogil=True)
 def _np_sum(a: np.ndarray, lo: int, n: int) -> float:
     """``a[lo:lo + n].sum()`` exactly as numpy computes it: pairwise, halves rounded down to a
-    multiple of 8, leaves of at most 128. The recursion is unrolled onto a stack (a recursive
-    kernel loaded from numba's cache crashed)."""
+    multiple of 8, leaves of at most 128. The recursion is unrolled onto a stack: numba's
+    cache does not reliably reload a recursive kernel."""
     if n <= _PW_BLOCKSIZE:
         return _np_block_sum(a, lo, n)
     f_lo = np.empty(64, dtype=np.int64)

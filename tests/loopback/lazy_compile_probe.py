@@ -1,4 +1,4 @@
-"""Run real UDP collectives after ``Engine.start()`` and print, as JSON, every numba kernel
+"""Run real UDP collectives after ``UdpPlane.start()`` and print, as JSON, every numba kernel
 signature they compiled (or loaded from the cache) beyond what the start-up warm-up did.
 
 Run in a fresh interpreter (``python -m tests.loopback.lazy_compile_probe``): in the test
@@ -20,8 +20,8 @@ import numpy as np
 from gradlane.scheduling.loss import LossConfig
 from gradlane.transport.config import TransportConfig, loopback_config
 from gradlane.transport.drivers.peers import StaticPeers
-from gradlane.transport.drivers.udp.plane import Engine
-from gradlane.transport.drivers.zmq.plane import ZmqDataPlane, zmq_config
+from gradlane.transport.drivers.udp.plane import InjectedLoss, UdpPlane
+from gradlane.transport.drivers.zmq.plane import ZmqPlane, zmq_config
 from gradlane.transport.wire.header import DType
 
 WAIT_S = 120.0
@@ -32,7 +32,7 @@ def signatures() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for module in list(sys.modules.values()):
         name = getattr(module, "__name__", None) or ""
-        if not name.startswith(("transport", "scheduling", "integrations")):
+        if not name.startswith("gradlane."):
             continue
         for value in list(vars(module).values()):
             if isinstance(value, numba.core.registry.CPUDispatcher):
@@ -41,9 +41,11 @@ def signatures() -> dict[str, set[str]]:
     return out
 
 
-def udp(world: int, config: TransportConfig) -> list[Any]:
-    """Started, connected engines over UDP on loopback."""
-    engines = [Engine(r, world, config) for r in range(world)]
+def udp(world: int, config: TransportConfig, inject_loss: float = 0.0) -> list[Any]:
+    """Started, connected engines over UDP on loopback (dropping ``inject_loss`` of what they
+    receive, seeded by the config's seed)."""
+    tap = InjectedLoss(inject_loss, seed=config.seed) if inject_loss else None
+    engines = [UdpPlane(r, world, config, rx_tap=tap) for r in range(world)]
     try:
         addrs = {r: e.start() for r, e in enumerate(engines)}
         for e in engines:
@@ -61,7 +63,7 @@ def zmq(world: int, config: TransportConfig, where: str) -> list[Any]:
     planes: list[Any] = []
     try:
         for r in range(world):
-            planes.append(ZmqDataPlane(r, world, config, eps).start())
+            planes.append(ZmqPlane(r, world, config, eps).start())
     except BaseException:
         for p in planes:
             p.close()
@@ -82,7 +84,7 @@ def collectives(start: Callable[[], list[Any]]) -> tuple[dict, dict]:
             (300_001, "f32", {"servers": [0]}),
             (200_000, "f32", {"scale": 0.5}),
         ]
-        if isinstance(engines[0], Engine):  # the ZeroMQ plane has no pinned buckets
+        if isinstance(engines[0], UdpPlane):  # the ZeroMQ plane has no pinned buckets
             jobs.append((200_000, "f32", {"pinned": True}))
         for step, (n, kind, kw) in enumerate(jobs):
             x = np.random.default_rng(step).standard_normal(n).astype(np.float32)
@@ -108,8 +110,8 @@ def main() -> None:
     where = tempfile.mkdtemp(prefix="gl-warm-", dir="/tmp")  # ipc:// paths must be short
     runs: list[Callable[[], list[Any]]] = [
         # Reliable, the losses recovered; bounded; a keyed job (its headers carry a SipHash).
-        lambda: udp(2, loopback_config(inject_loss=0.05, seed=1)),
-        lambda: udp(3, loopback_config(inject_loss=0.05, seed=2, loss=bounded)),
+        lambda: udp(2, loopback_config(seed=1), inject_loss=0.05),
+        lambda: udp(3, loopback_config(seed=2, loss=bounded), inject_loss=0.05),
         lambda: udp(2, loopback_config(secret="warm", loss=bounded)),
         lambda: zmq(2, zmq_config(), where),
     ]

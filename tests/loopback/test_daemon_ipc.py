@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import glob
 import os
 import select
@@ -24,11 +25,13 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from gradlane.integrations.cli.stats import fetch, samples
+from gradlane.scheduling.errors import GradlaneError
 from gradlane.scheduling.loss import LossConfig
 from gradlane.transport.config import loopback_config
 from gradlane.transport.core.collective import from_f32
 from gradlane.transport.daemon import messages as ipc
-from gradlane.transport.daemon.client import DaemonClient, DaemonUnavailable
+from gradlane.transport.daemon.client import DaemonPlane, DaemonUnavailable
 from gradlane.transport.daemon.config import DaemonConfig
 from gradlane.transport.daemon.server import Daemon, DaemonError
 from gradlane.transport.daemon.shm import Segment
@@ -48,7 +51,7 @@ class Host:
         self.dir = tempfile.mkdtemp(prefix="gl-ipc-")
         self.socket = os.path.join(self.dir, "d.sock")
         self.daemons: list[Daemon] = []
-        self.clients: list[DaemonClient] = []
+        self.clients: list[DaemonPlane] = []
         self.procs: list[subprocess.Popen[str]] = []
 
     def config(self, **kw: Any) -> DaemonConfig:
@@ -61,8 +64,8 @@ class Host:
         self.daemons.append(d)
         return d.start()
 
-    def client(self, local_rank: int, start: bool = True, **kw: Any) -> DaemonClient:
-        c = DaemonClient(self.socket, job=self.job, rank=local_rank, world=2,
+    def client(self, local_rank: int, start: bool = True, **kw: Any) -> DaemonPlane:
+        c = DaemonPlane(self.socket, job=self.job, rank=local_rank, world=2,
                          local_rank=local_rank, local_world=2, **kw)  # fmt: skip
         self.clients.append(c)
         return c.start() if start else c
@@ -118,7 +121,7 @@ def host() -> Iterator[Host]:
         h.cleanup()
 
 
-def _pair_step(clients: list[DaemonClient], step: int, n: int = 1000) -> list[np.ndarray]:
+def _pair_step(clients: list[DaemonPlane], step: int, n: int = 1000) -> list[np.ndarray]:
     xs = [np.arange(n, dtype=np.float32) * (i + 1) for i in range(len(clients))]
     futs = [c.submit(step, 0, x.copy()) for c, x in zip(clients, xs, strict=True)]
     out = [f.result(WAIT_S)[0] for f in futs]
@@ -269,7 +272,7 @@ def test_two_daemons_meet_in_a_tcpstore(host: Host):
         host.ready(p)
     clients = []
     for h in range(2):
-        c = DaemonClient(sockets[h], job=host.job, rank=h, world=2, local_rank=0, local_world=1)
+        c = DaemonPlane(sockets[h], job=host.job, rank=h, world=2, local_rank=0, local_world=1)
         host.clients.append(c)
         clients.append(c.start())
     _pair_step(clients, 0)
@@ -359,7 +362,7 @@ def test_a_new_trainer_session_counts_steps_from_zero_again(host: Host):
         host.daemons.append(Daemon(cfg).start())
 
     def session(steps: range) -> None:
-        clients = [DaemonClient(sockets[h], job=host.job, rank=h, world=2, local_rank=0,
+        clients = [DaemonPlane(sockets[h], job=host.job, rank=h, world=2, local_rank=0,
                                 local_world=1).start() for h in range(2)]  # fmt: skip
         try:
             for step in steps:
@@ -373,6 +376,40 @@ def test_a_new_trainer_session_counts_steps_from_zero_again(host: Host):
 
     session(range(12))
     session(range(3))  # a new job on the same daemons
+
+
+def test_metrics_endpoint_serves_this_daemons_registry_and_frees_its_port(host: Host):
+    """Port 0 is resolved to the bound port; each daemon has its own registry (two in one
+    process: no clash); closing the daemon stops the endpoint and frees the port."""
+    cfg = dataclasses.replace(host.config(), metrics="127.0.0.1:0")
+    d = Daemon(cfg)
+    host.daemons.append(d)
+    other = Daemon(dataclasses.replace(cfg, socket=os.path.join(host.dir, "other.sock")))
+    host.daemons.append(other)
+    d.start()
+    other.start()
+    url = d.metrics_url
+    assert url is not None and not url.endswith(":0/metrics") and url != other.metrics_url
+    _pair_step([host.client(0), host.client(1)], 0)
+
+    def value(u: str, name: str, **labels: str) -> float | None:
+        got = [v for n, lb, v in samples(fetch(u)) if n == name and lb == labels]
+        return got[0] if got else None
+
+    assert value(url, "gradlane_collectives_total", outcome="ok") == 1.0
+    assert value(url, "gradlane_local_ranks") == 2.0
+    assert value(url, "gradlane_generation") == d.generation
+    assert value(url, "gradlane_step_latency_seconds_count") == 1.0
+    assert other.metrics_url is not None
+    assert value(other.metrics_url, "gradlane_collectives_total", outcome="ok") is None
+    d.close()
+    with pytest.raises(GradlaneError, match="no gradlane metrics at"):
+        fetch(url, timeout_s=5.0)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with socket.socket() as s:  # free again (a restarted daemon may take it)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HTTP servers do
+        s.bind(("127.0.0.1", port))
+        s.listen()
 
 
 def _free_port(host: str, kind: int = socket.SOCK_STREAM) -> int:

@@ -19,7 +19,7 @@ from gradlane.scheduling.pacing import PacingConfig
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.events import DatagramRun
 from gradlane.transport.drivers.peers import Address, StaticPeers
-from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.drivers.udp.plane import InjectedLoss, UdpPlane
 from gradlane.transport.errors import ConfigError, PeerTimeout, TransferFailed
 from gradlane.transport.wire.header import DType, Header, Kind, Phase, encode
 from gradlane.transport.wire.tag import TagKey
@@ -34,25 +34,28 @@ WAIT_S = 60.0
 PACING = PacingConfig()
 CFG = TransportConfig(n_paths=2, chunk_bytes=65000, pacing=PACING)
 
-MakeCluster = Callable[..., list[Engine]]
+MakeCluster = Callable[..., list[UdpPlane]]
 
 
 @pytest.fixture
 def cluster() -> Iterator[MakeCluster]:
     """Factory of started, connected engines; closes all of them (and dummy sockets) after."""
-    engines: list[Engine] = []
+    engines: list[UdpPlane] = []
     socks: list[socket.socket] = []
 
     def make(
-        world: int, config: TransportConfig = CFG, ranks: list[int] | None = None
-    ) -> list[Engine]:
+        world: int,
+        config: TransportConfig = CFG,
+        ranks: list[int] | None = None,
+        rx_tap: InjectedLoss | None = None,
+    ) -> list[UdpPlane]:
         """Start engines for ``ranks`` (default: all); absent ranks get a silent socket."""
         ranks = list(range(world)) if ranks is None else ranks
         addrs: dict[int, list[Address]] = {}
         started = []
         for r in range(world):
             if r in ranks:
-                e = Engine(r, world, config)
+                e = UdpPlane(r, world, config, rx_tap=rx_tap)
                 engines.append(e)
                 started.append(e)
                 addrs[r] = e.start()
@@ -78,7 +81,7 @@ def cluster() -> Iterator[MakeCluster]:
 
 
 def allreduce(
-    engines: list[Engine], step: int, data: list[np.ndarray], dtype: int | None = None
+    engines: list[UdpPlane], step: int, data: list[np.ndarray], dtype: int | None = None
 ) -> list:
     """Submit bucket 0 of ``step`` on every engine and wait for all results."""
     futs = [e.submit(step, 0, d, dtype=dtype) for e, d in zip(engines, data, strict=True)]
@@ -240,8 +243,8 @@ def test_static_peer_list_with_fixed_ports():
     cfg = TransportConfig(chunk_bytes=65000, pacing=PACING)
     data = [np.arange(10_001, dtype=np.float32), np.ones(10_001, dtype=np.float32)]
     with (
-        Engine(0, 2, cfg, table, [("127.0.0.1", ports[0])]) as e0,
-        Engine(1, 2, cfg, table, [("127.0.0.1", ports[1])]) as e1,
+        UdpPlane(0, 2, cfg, table, [("127.0.0.1", ports[0])]) as e0,
+        UdpPlane(1, 2, cfg, table, [("127.0.0.1", ports[1])]) as e1,
     ):
         assert e0.bound == [("127.0.0.1", ports[0])]
         for res, _ in allreduce([e0, e1], 1, data):
@@ -353,8 +356,8 @@ def test_drain_then_close_leaves_nothing_owed(cluster: MakeCluster, caplog):
     """Under loss a rank ends its last collective owing peers what they still miss (a lost
     datagram, a lost ACK or STOP). ``drain`` on every rank while all still answer, then close:
     nothing is owed and no close has to wait or warn."""
-    cfg = TransportConfig(n_paths=2, chunk_bytes=8192, pacing=PACING, inject_loss=0.2, seed=3)
-    engines = cluster(2, cfg)
+    cfg = TransportConfig(n_paths=2, chunk_bytes=8192, pacing=PACING, seed=3)
+    engines = cluster(2, cfg, rx_tap=InjectedLoss(0.2, seed=3))
     rng = np.random.default_rng(0)
     for step in range(1, 6):
         data = [rng.standard_normal(50_000).astype(np.float32) for _ in engines]
@@ -412,7 +415,7 @@ def test_port_in_use_is_a_clear_error():
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        engine = Engine(0, 2, TransportConfig(), local_addrs=[("127.0.0.1", port)])
+        engine = UdpPlane(0, 2, TransportConfig(), local_addrs=[("127.0.0.1", port)])
         try:
             with pytest.raises(ConfigError, match=f"127.0.0.1:{port}.*already in use"):
                 engine.start()
@@ -423,7 +426,7 @@ def test_port_in_use_is_a_clear_error():
 
 def test_wrong_number_of_local_addresses_is_a_config_error():
     with pytest.raises(ConfigError, match="one address per path"):
-        Engine(0, 2, TransportConfig(n_paths=2), local_addrs=["127.0.0.1"])
+        UdpPlane(0, 2, TransportConfig(n_paths=2), local_addrs=["127.0.0.1"])
 
 
 # -- resources -------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""``TransportConfig.inject_loss``: the opt-in, seeded drop of received datagrams (tests, demos).
+"""``UdpPlane(rx_tap=InjectedLoss(rate, seed))``: the opt-in, seeded drop of received datagrams
+(tests, demos).
 
-Loopback never loses a datagram; the demo and the DDP tests need loss that shows. The engine
+Loopback never loses a datagram; the demo and the DDP tests need loss that shows. The plane
 drops the configured fraction of what it receives before the protocol sees it, so recovery and
 the loss bound run exactly as they would after a lossy link.
 """
@@ -12,14 +13,16 @@ import pytest
 from gradlane.scheduling.loss import LossConfig
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.drivers.peers import StaticPeers
-from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.drivers.plane import Plane
+from gradlane.transport.drivers.udp.plane import InjectedLoss, UdpPlane
 from gradlane.transport.errors import ConfigError
 
 WAIT_S = 60.0
 
 
-def _pair(config: TransportConfig) -> list[Engine]:
-    engines = [Engine(r, 2, config) for r in range(2)]
+def _pair(config: TransportConfig, rate: float) -> list[UdpPlane]:
+    tap = InjectedLoss(rate, seed=config.seed)
+    engines = [UdpPlane(r, 2, config, rx_tap=tap) for r in range(2)]
     try:
         table = StaticPeers({r: e.start() for r, e in enumerate(engines)})
         for e in engines:
@@ -36,10 +39,9 @@ def test_reliable_allreduce_recovers_injected_loss_exactly():
     cfg = TransportConfig(
         n_paths=2,
         chunk_bytes=1408,
-        inject_loss=0.05,
         loss=LossConfig(loss_bound=0.0, hard_deadline_s=30.0),
     )
-    engines = _pair(cfg)
+    engines = _pair(cfg, 0.05)
     try:
         rng = np.random.default_rng(11)
         data = [rng.standard_normal(200_003).astype(np.float32) for _ in engines]
@@ -58,10 +60,16 @@ def test_reliable_allreduce_recovers_injected_loss_exactly():
 
 
 def test_inject_loss_is_off_by_default_and_validated():
-    assert TransportConfig().inject_loss == 0.0
+    assert not hasattr(TransportConfig(), "inject_loss")  # a test knob, not a transport setting
+    plane = UdpPlane(0, 1, TransportConfig())  # not started: stats() are read in place
+    try:
+        assert isinstance(plane, Plane)
+        assert plane.stats()["injected_drops"] == 0
+    finally:
+        plane.close()
     for bad in (-0.1, 1.0):
         with pytest.raises(ConfigError, match="inject_loss"):
-            TransportConfig(inject_loss=bad)
+            InjectedLoss(bad)
 
 
 @pytest.mark.timeout(120)
@@ -73,7 +81,6 @@ def test_bounded_allreduce_under_injected_loss_respects_and_reports_the_bound(se
     cfg = TransportConfig(
         n_paths=2,
         chunk_bytes=1408,
-        inject_loss=0.04,
         seed=seed,
         loss=LossConfig(
             loss_bound=bound,
@@ -82,7 +89,7 @@ def test_bounded_allreduce_under_injected_loss_respects_and_reports_the_bound(se
             on_hard_deadline="raise",
         ),
     )
-    engines = _pair(cfg)
+    engines = _pair(cfg, 0.04)
     n = 100_003
     try:
         rng = np.random.default_rng(seed)

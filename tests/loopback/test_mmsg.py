@@ -16,7 +16,7 @@ from gradlane.transport.core.events import DatagramRun
 from gradlane.transport.drivers.peers import StaticPeers
 from gradlane.transport.drivers.udp import mmsg as _mmsg
 from gradlane.transport.drivers.udp import sockets as udp
-from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.drivers.udp.plane import UdpPlane
 
 pytestmark = pytest.mark.skipif(not _mmsg.AVAILABLE, reason="sendmmsg/recvmmsg: Linux only")
 
@@ -104,8 +104,7 @@ def test_a_run_goes_out_and_comes_back_byte_for_byte(pair):
     order = rng.permutation(n)  # rows in any order, as a sender's run picks chunks
     batch = _mmsg.SendBatch(1, capacity=4)  # grows to fit
     name, ctl = _mmsg.sockaddr(rx.getsockname()), _mmsg.tos_cmsg(0xB8, v6=False)
-    assert batch.append(
-        0,
+    rows = _mmsg.RunRows(
         hdr.ctypes.data,
         hb,
         order,
@@ -113,9 +112,8 @@ def test_a_run_goes_out_and_comes_back_byte_for_byte(pair):
         starts[order],
         sizes[order],
         np.zeros(n, dtype=np.int64),
-        _pairs(name),
-        _pairs(ctl),
     )
+    assert batch.append(0, rows, _pairs(name), _pairs(ctl))
     assert batch.fill.tolist() == [n] and batch.nbytes.tolist() == [n * hb + int(sizes.sum())]
     sent, err = batch.send(tx.fileno(), 0, 0, n)
     assert (sent, err) == (n, 0)
@@ -160,8 +158,8 @@ def test_runs_are_appended_per_path_in_run_order():
         paths = rng.integers(0, 3, n).astype(np.int64)
         paths[paths == 1] = 2  # a path with no datagram
         controls = np.full((n_paths, 2), 7000 + run_id, dtype=np.uint64)
-        assert batch.append(run_id, 1000 * run_id, hb, chunks, 5000, starts, sizes, paths,
-                            names, controls)  # fmt: skip
+        rows = _mmsg.RunRows(1000 * run_id, hb, chunks, 5000, starts, sizes, paths)
+        assert batch.append(run_id, rows, names, controls)
         runs.append((chunks, starts, sizes, paths))
     for q in range(n_paths):
         want = [(r, i) for r, (_, _, _, p) in enumerate(runs) for i in np.flatnonzero(p == q)]
@@ -186,7 +184,7 @@ def test_runs_are_appended_per_path_in_run_order():
     before = batch.fill.copy()
     bad = np.array([0, n_paths], dtype=np.int64)
     z = np.zeros(2, dtype=np.int64)
-    assert not batch.append(9, 0, hb, z, 0, z, z, bad, names, names)
+    assert not batch.append(9, _mmsg.RunRows(0, hb, z, 0, z, z, bad), names, names)
     assert batch.fill.tolist() == before.tolist()
     batch.clear()
     assert batch.fill.tolist() == [0] * n_paths and batch.nbytes.tolist() == [0] * n_paths
@@ -210,11 +208,12 @@ def test_gso_messages_hold_equal_sized_datagrams_of_one_run():
     paths0[-2:] = [1, 0]  # one datagram on the path without GSO; a larger one ends a message
     starts0 = np.arange(n0, dtype=np.int64) * 2000
     chunks0 = np.arange(n0, dtype=np.int64)
-    assert batch.append(0, 10**6, hb, chunks0, 10**7, starts0, sizes0, paths0, names, controls,
-                        tpl)  # fmt: skip
+    rows0 = _mmsg.RunRows(10**6, hb, chunks0, 10**7, starts0, sizes0, paths0)
+    assert batch.append(0, rows0, names, controls, tpl)
     sizes1 = np.full(3, 1000, dtype=np.int64)
     z3 = np.zeros(3, dtype=np.int64)
-    assert batch.append(1, 10**6, hb, z3, 10**7, z3, sizes1, z3, names, controls, tpl)
+    rows1 = _mmsg.RunRows(10**6, hb, z3, 10**7, z3, sizes1, z3)
+    assert batch.append(1, rows1, names, controls, tpl)
     # Path 0: 30 full + the short one; 62 full (63 would pass 65507 bytes); the last 7; the
     # 1200 alone (larger than the message's size); then run 1's three in a message of their own.
     assert batch.fill.tolist() == [5, 1]
@@ -249,7 +248,7 @@ def test_gso_messages_hold_equal_sized_datagrams_of_one_run():
     assert m["iovlen"] == 2 and (m["control"], m["controllen"]) == (400, 24)
     small = np.full(130, 52, dtype=np.int64)  # 100-byte datagrams: the segment limit binds
     z = np.zeros(130, dtype=np.int64)
-    assert batch.append(2, 0, hb, z, 0, z, small, z, names, controls, tpl)
+    assert batch.append(2, _mmsg.RunRows(0, hb, z, 0, z, small, z), names, controls, tpl)
     assert batch.count[0, 5:8].tolist() == [_mmsg.GSO_MAX_SEGMENTS, _mmsg.GSO_MAX_SEGMENTS, 2]
     batch.clear()
     assert batch.fill.tolist() == [0, 0] and batch.slots.tolist() == [0, 0]
@@ -422,7 +421,7 @@ def test_engines_all_reduce_exactly_with_and_without_batched_calls(monkeypatch, 
     if not batched:  # the path of platforms without the calls (read at UdpPaths creation)
         monkeypatch.setattr(udp._mmsg, "AVAILABLE", False)
     cfg = TransportConfig(n_paths=2, chunk_bytes=65000)
-    engines = [Engine(r, 2, cfg) for r in range(2)]
+    engines = [UdpPlane(r, 2, cfg) for r in range(2)]
     try:
         table = {r: e.start() for r, e in enumerate(engines)}
         for e in engines:
@@ -461,7 +460,7 @@ def test_engines_all_reduce_exactly_with_mtu_sized_datagrams(gso):
 def _pair_all_reduce(cfg: TransportConfig, n: int, seed: int, **engine_kw) -> list[dict]:
     """Two engines all-reduce ``n`` random float32 values over loopback; asserts the exact sum
     and returns each engine's socket counters."""
-    engines = [Engine(r, 2, cfg, **engine_kw) for r in range(2)]
+    engines = [UdpPlane(r, 2, cfg, **engine_kw) for r in range(2)]
     try:
         table = {r: e.start() for r, e in enumerate(engines)}
         for e in engines:

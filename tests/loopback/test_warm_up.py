@@ -3,7 +3,7 @@
 A kernel it misses compiles (or loads from numba's cache) inside the first collective: with a
 cold cache that stalled a 2-rank 25 MB all-reduce for 4.5 s while its peer's timers ran. The
 check runs real UDP collectives (reliable and bounded, with injected loss, so recovery runs
-too) in a fresh interpreter and lists the signatures compiled after ``Engine.start()``.
+too) in a fresh interpreter and lists the signatures compiled after ``UdpPlane.start()``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import select
 import subprocess
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gradlane.transport.drivers import warmup
 from gradlane.transport.drivers.warmup import lock_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,9 +105,46 @@ def test_a_process_waits_for_another_compiling_then_warms_up():
 def test_the_wait_for_another_compile_is_bounded():
     with _holding_the_lock():
         child = _child(
-            "from transport import warm\n"
-            "with warm._compile_turn(wait_s=0.3):\n    print('turn', flush=True)"
+            "from gradlane.transport.drivers import warmup\n"
+            "with warmup._compile_turn(wait_s=0.3):\n    print('turn', flush=True)"
         )
         out, err = child.communicate(timeout=60)
     assert child.returncode == 0 and out.strip() == "turn", err[-2000:]
     assert "another process's compile; compiling" in err
+
+
+class _ReleaseOnceWaiting(logging.Handler):
+    """Closes ``fd`` (releasing the lock it holds) at the waiter's first word, which it says
+    once it found the lock held: a holder whose turn ends right away, as one that only loads a
+    warm cache."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(logging.DEBUG)
+        self.fd: int | None = fd
+        self.heard: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.heard.append(record.getMessage())
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@pytest.mark.timeout(60)
+def test_a_short_wait_for_the_lock_does_not_claim_a_compile(caplog):
+    """With a warm cache the lock's holder only loads the kernels: a process that waits that
+    briefly for its turn says nothing at INFO, and gets its turn."""
+    fd = os.open(lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a separate open file: held against the waiter below
+    release = _ReleaseOnceWaiting(fd)
+    logger = logging.getLogger(warmup.__name__)
+    logger.addHandler(release)
+    try:
+        with caplog.at_level(logging.DEBUG, logger=warmup.__name__), warmup._compile_turn():
+            pass
+    finally:
+        logger.removeHandler(release)
+        if release.fd is not None:
+            os.close(release.fd)
+    assert any("holds the warm-up lock" in m for m in release.heard), release.heard  # it waited
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO], caplog.text

@@ -28,7 +28,7 @@ from gradlane.transport.drivers.zmq.handshake import (
     hello,
     request_stats,
 )
-from gradlane.transport.drivers.zmq.plane import ZmqDataPlane, zmq_config
+from gradlane.transport.drivers.zmq.plane import ZmqPlane, zmq_config
 from gradlane.transport.errors import ConfigError, PeerTimeout, TransferFailed
 
 from tests.support.checks import check_pinned_goes_in_class_0
@@ -75,10 +75,10 @@ def _servers(ipc_dir: str, world: int, closing: Callable[[Any], Any], **cfg: Any
 def _planes(ipc_dir: str, world: int, closing: Callable[[Any], Any], **cfg: Any):
     config = zmq_config(**cfg)
     eps = [f"ipc://{ipc_dir}/data-{r}" for r in range(world)]
-    return [closing(ZmqDataPlane(r, world, config, eps).start()) for r in range(world)]
+    return [closing(ZmqPlane(r, world, config, eps).start()) for r in range(world)]
 
 
-def _allreduce(planes: list[ZmqDataPlane], step: int, bucket: int, xs: list[np.ndarray]):
+def _allreduce(planes: list[ZmqPlane], step: int, bucket: int, xs: list[np.ndarray]):
     futs = [p.submit(step, bucket, x) for p, x in zip(planes, xs, strict=True)]
     return [f.result(timeout=RESULT_TIMEOUT_S) for f in futs]
 
@@ -195,7 +195,7 @@ def test_handshake_then_allreduce_with_concurrent_buckets_and_stats(ipc_dir, clo
     planes = []
     for r, peers in enumerate(views):
         eps = [anns[r].data if j == r else peers[j].data for j in range(3)]
-        planes.append(closing(ZmqDataPlane(r, 3, config, eps).start()))
+        planes.append(closing(ZmqPlane(r, 3, config, eps).start()))
         servers[r].stats_source = planes[r].stats
     rng = np.random.default_rng(7)
     buckets = [[rng.standard_normal(5000 + b).astype(np.float32) for _ in planes] for b in range(4)]
@@ -246,7 +246,7 @@ def test_a_silent_peer_fails_the_future_with_peer_timeout(ipc_dir, closing):
 
 
 def test_submit_before_start_fails_clearly(ipc_dir, closing):
-    plane = closing(ZmqDataPlane(0, 2, zmq_config(), [f"ipc://{ipc_dir}/a", f"ipc://{ipc_dir}/b"]))
+    plane = closing(ZmqPlane(0, 2, zmq_config(), [f"ipc://{ipc_dir}/a", f"ipc://{ipc_dir}/b"]))
     with pytest.raises(TransferFailed, match="not started"):
         plane.submit(0, 0, np.ones(3, dtype=np.float32)).result(timeout=RESULT_TIMEOUT_S)
 
@@ -271,10 +271,8 @@ def _resources() -> tuple[int, int, int]:
 def test_no_fd_or_thread_growth_over_30_collectives(ipc_dir, closing):
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal(40_000).astype(np.float32) for _ in range(2)]
-    with ZmqDataPlane(0, 2, zmq_config(), [f"ipc://{ipc_dir}/w0", f"ipc://{ipc_dir}/w1"]) as a:
-        b = closing(
-            ZmqDataPlane(1, 2, zmq_config(), [f"ipc://{ipc_dir}/w0", f"ipc://{ipc_dir}/w1"])
-        )
+    with ZmqPlane(0, 2, zmq_config(), [f"ipc://{ipc_dir}/w0", f"ipc://{ipc_dir}/w1"]) as a:
+        b = closing(ZmqPlane(1, 2, zmq_config(), [f"ipc://{ipc_dir}/w0", f"ipc://{ipc_dir}/w1"]))
         b.start()
         # Warm up: connections, JIT, and pyzmq's process-wide zero-copy GC thread come up once.
         _allreduce([a, b], 0, 0, xs)
@@ -286,7 +284,7 @@ def test_no_fd_or_thread_growth_over_30_collectives(ipc_dir, closing):
     # Everything a pair of planes opened is released on close.
     base = _resources()
     eps = [f"ipc://{ipc_dir}/v0", f"ipc://{ipc_dir}/v1"]
-    with ZmqDataPlane(0, 2, zmq_config(), eps) as c, ZmqDataPlane(1, 2, zmq_config(), eps) as d:
+    with ZmqPlane(0, 2, zmq_config(), eps) as c, ZmqPlane(1, 2, zmq_config(), eps) as d:
         _allreduce([c, d], 0, 0, xs)
     assert _resources() == base
 
@@ -356,8 +354,8 @@ def test_batch_bytes_zero_sends_one_packet_per_frame_and_a_negative_one_is_refus
 ):
     eps = [f"ipc://{ipc_dir}/u0", f"ipc://{ipc_dir}/u1"]
     with pytest.raises(ConfigError, match="batch_bytes"):
-        ZmqDataPlane(0, 2, zmq_config(), eps, batch_bytes=-1)
-    planes = [closing(ZmqDataPlane(r, 2, zmq_config(), eps, batch_bytes=0).start()) for r in (0, 1)]
+        ZmqPlane(0, 2, zmq_config(), eps, batch_bytes=-1)
+    planes = [closing(ZmqPlane(r, 2, zmq_config(), eps, batch_bytes=0).start()) for r in (0, 1)]
     rng = np.random.default_rng(12)
     xs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(2)]
     for result, _ in _allreduce(planes, 0, 0, xs):

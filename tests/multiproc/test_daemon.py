@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 import zmq
+from gradlane.integrations.cli.stats import fetch, samples
 from gradlane.transport.daemon import messages as ipc
-from gradlane.transport.daemon.metrics import fetch, parse
 
 from tests.multiproc import daemon_workers
 from tests.multiproc.ddp_workers import WAIT_S
@@ -94,7 +94,7 @@ class Daemons:
 
     def sample(self, host: int, name: str, **labels: str) -> float:
         """One metric of host ``host``'s daemon (0 when absent)."""
-        for n, lb, v in parse(fetch(self.metrics[host])):
+        for n, lb, v in samples(fetch(self.metrics[host])):
             if n == name and all(lb.get(k) == x for k, x in labels.items()):
                 return v
         return 0.0

@@ -20,7 +20,7 @@ import numpy as np
 from gradlane.scheduling.loss import LossConfig
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.drivers.peers import StaticPeers
-from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.drivers.udp.plane import UdpPlane
 from gradlane.transport.errors import PeerTimeout
 
 #: Longest any rank waits for a queue hand-off or a Future.
@@ -65,7 +65,7 @@ def run_rank(
     ``("error", rank, type_name, failed_ranks, message, elapsed_s)``.
     """
     try:
-        with Engine(rank, world, config(hard_deadline_s)) as engine:
+        with UdpPlane(rank, world, config(hard_deadline_s)) as engine:
             up.put(("addrs", rank, engine.bound))
             table = down.get(timeout=WAIT_S)
             engine.set_peers(StaticPeers(table))
@@ -79,7 +79,7 @@ def run_rank(
             else:
                 up.put(("ok", rank, result, report.delivered_fraction, report.degraded))
             # Close at once, as a job's last step does: a Future resolves once this rank has
-            # received everything, not once peers have what it sent; Engine.close() drains
+            # received everything, not once peers have what it sent; UdpPlane.close() drains
             # those outgoing transfers, so no peer is stranded waiting for a retransmission.
     except BaseException as e:  # report, then let the process exit non-zero
         up.put(("error", rank, type(e).__name__, (), traceback.format_exc(), -1.0))

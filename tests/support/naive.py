@@ -143,7 +143,9 @@ def reduce(
     for data in datagrams:
         reason, h = _verdict(data, session, transfer, received)
         if h is not None:
-            payload = np.frombuffer(data[HEADER_SIZE:], dtype=_wire_type(transfer.dtype))
+            payload: np.ndarray = np.frombuffer(
+                data[HEADER_SIZE:], dtype=_wire_type(transfer.dtype)
+            )
             off = h.chunk * transfer.chunk_elems
             accum[off : off + h.count] += as_float32(payload, DType(transfer.dtype))
             contrib[h.chunk] += 1
@@ -165,11 +167,13 @@ def place(
 ) -> list[Reason]:
     """``place_into`` on a list of datagrams; ``out`` holds raw wire words."""
     verdicts = []
-    bits = out.view(_wire_type(transfer.dtype))
+    bits: np.ndarray = out.view(_wire_type(transfer.dtype))
     for data in datagrams:
         reason, h = _verdict(data, session, transfer, received)
         if h is not None:
-            payload = np.frombuffer(data[HEADER_SIZE:], dtype=_wire_type(transfer.dtype))
+            payload: np.ndarray = np.frombuffer(
+                data[HEADER_SIZE:], dtype=_wire_type(transfer.dtype)
+            )
             off = h.chunk * transfer.chunk_elems
             bits[off : off + h.count] = payload
             if contrib is not None:
@@ -440,8 +444,7 @@ def _interleave(weights: np.ndarray, n: int, offset: float) -> np.ndarray:
     return np.minimum(idx, weights.shape[0] - 1).astype(np.int64)
 
 
-# -- SenderCore.on_ack's array work: the numpy formulation gradlane.transport.kernels._ack must
-# match ------
+# -- SenderCore.on_ack's array work, in NumPy: what gradlane.transport.kernels._ack matches --
 _INFLIGHT, _LOST, _ACKED, _ABANDONED = 1, 2, 3, 4
 
 
@@ -462,8 +465,8 @@ def apply_ack(
     n_classes: int,
     reorder_window_s: float,
 ) -> dict[str, Any]:
-    """Reference of ``kernels.apply_ack``: the whole-array numpy ``on_ack`` had (``state``
-    written in place); returns :class:`~gradlane.transport.kernels.AckResult`'s fields by name."""
+    """Reference of ``kernels.apply_ack``, in whole-array NumPy (``state`` written in place);
+    returns :class:`~gradlane.transport.kernels.AckResult`'s fields by name."""
     end = max(min(base + bits.shape[0], state.shape[0]), base)  # on_ack never gets base >= end
     st = state[base:end]
     newly = bits[: end - base] & ((st == _INFLIGHT) | (st == _LOST) | (st == _ABANDONED))

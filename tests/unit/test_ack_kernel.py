@@ -94,7 +94,7 @@ def test_apply_ack_matches_the_numpy_on_ack(
         "n_classes": n_classes,
         "reorder_window_s": window,
     }
-    got = kernels.apply_ack(**fast, bits=bits, **kw)
+    got = kernels.apply_ack(kernels.SentChunks(**fast), bits, **kw)
     want = naive.apply_ack(**ref, bits=bits, **kw)
     for name, value in want.items():
         same(getattr(got, name), value, name)
@@ -112,7 +112,7 @@ def test_nothing_newly_acknowledged_writes_nothing_and_skips_rack() -> None:
     a["state"][:] = outgoing.ACKED
     a["state"][10:] = outgoing.INFLIGHT
     before = a["state"].copy()
-    r = kernels.apply_ack(**a, bits=np.ones(10, bool), base=0, trigger=0, now=1.0,
+    r = kernels.apply_ack(kernels.SentChunks(**a), np.ones(10, bool), base=0, trigger=0, now=1.0,
                           n_paths=2, n_classes=2, reorder_window_s=0.0)  # fmt: skip
     assert r.idx.size == 0 and r.lost.size == 0 and not r.path_hit.any()
     np.testing.assert_array_equal(a["state"], before)
@@ -132,17 +132,17 @@ def test_apply_ack_rejects_bad_arguments() -> None:
     ]
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
-            kernels.apply_ack(**{**good, **change}, bits=bits, **kw)
+            kernels.apply_ack(kernels.SentChunks(**{**good, **change}), bits, **kw)
     with pytest.raises(ValueError, match="bits must be"):
-        kernels.apply_ack(**good, bits=bits.astype(np.uint8), **kw)
+        kernels.apply_ack(kernels.SentChunks(**good), bits.astype(np.uint8), **kw)
     with pytest.raises(ValueError, match="base"):
-        kernels.apply_ack(**good, bits=bits, **{**kw, "base": -1})
+        kernels.apply_ack(kernels.SentChunks(**good), bits, **{**kw, "base": -1})
     ro = good["state"].copy()
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
-        kernels.apply_ack(**{**good, "state": ro}, bits=bits, **kw)
+        kernels.apply_ack(kernels.SentChunks(**{**good, "state": ro}), bits, **kw)
     with pytest.raises(ValueError, match="out of range"):
-        kernels.apply_ack(**good, bits=bits, **{**kw, "n_paths": 1})
+        kernels.apply_ack(kernels.SentChunks(**good), bits, **{**kw, "n_paths": 1})
 
 
 @SETTINGS

@@ -11,52 +11,15 @@ from gradlane.scheduling.loss import LossConfig
 from gradlane.scheduling.priority import PriorityConfig
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.collective import TransposeAllReduce, from_f32, to_f32
-from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, Datagram, flat
+from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, flat
 from gradlane.transport.core.outgoing import ABANDONED, ACKED, INFLIGHT, LOST
 from gradlane.transport.errors import PeerTimeout
-from gradlane.transport.wire.header import HEADER_DTYPE, DType, Header, Kind, Reason, encode
+from gradlane.transport.wire.header import DType, Header, Kind, Reason, encode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.cores import header_of, kind_of, make, run_allreduce
 from tests.support.wire import Wire
-
-
-def make(world: int, **cfg) -> list[TransposeAllReduce]:
-    config = TransportConfig(**{"chunk_bytes": 256, **cfg})
-    return [TransposeAllReduce(r, world, config) for r in range(world)]
-
-
-def random_datas(world: int, n: int, seed: int) -> list[np.ndarray]:
-    """One float32 buffer of ``n`` normal values per rank, seeded."""
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
-
-
-def run_allreduce(eps, datas, wire: Wire, *, step=1, bucket=0, dtype=None, max_time=30.0):
-    for r, ep in enumerate(eps):
-        ep.start(step, bucket, datas[r], layer_position=0.5, now=wire.now, dtype=dtype)
-
-    def done():
-        return sum(
-            isinstance(e, AllReduceComplete | AllReduceFailed)
-            and (e.step, e.bucket) == (step, bucket)
-            for _, _, e in wire.events
-        ) == len(eps)
-
-    wire.run(done, max_time=max_time)
-    out = {}
-    for r, _, e in wire.events:
-        if e.step == step and e.bucket == bucket:
-            out[r] = e
-    return out
-
-
-def kind_of(dg: Datagram) -> int:
-    return int(np.frombuffer(bytes(dg.data[:48]), dtype=HEADER_DTYPE)[0]["kind"])
-
-
-def header_of(dg: Datagram):
-    return np.frombuffer(bytes(dg.data[:48]), dtype=HEADER_DTYPE)[0]
 
 
 # -- reliable mode ---------------------------------------------------------------------------
@@ -421,7 +384,7 @@ def test_sender_report_counts_this_collective_only():
 
 
 def test_zero_copy_receive_matches_receive_datagram():
-    """rx_buffer + commit_datagram (the UDP engine's path) behaves as receive_datagram."""
+    """rx_arena + commit_datagrams (the socket drivers' path) behaves as receive_datagram."""
     eps = make(2)
     wire = Wire(eps)
     datas = [np.arange(1000, dtype=np.float32) * (r + 1) for r in range(2)]
@@ -431,9 +394,9 @@ def test_zero_copy_receive_matches_receive_datagram():
             self.core = core
 
         def receive_datagram(self, data, path, now):
-            buf = self.core.rx_buffer()
-            buf[: len(data)] = data
-            self.core.commit_datagram(len(data), path, now)
+            row = self.core.rx_arena[self.core.rx_free]
+            row[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+            self.core.commit_datagrams(np.array([len(data)]), path, now)
 
         def __getattr__(self, name):
             return getattr(self.core, name)
@@ -442,9 +405,9 @@ def test_zero_copy_receive_matches_receive_datagram():
     out = run_allreduce(eps, datas, wire)
     for r in range(2):
         np.testing.assert_array_equal(out[r].result, datas[0] + datas[1])
-    # A datagram longer than the buffer (truncated by the socket) is counted, not processed.
+    # A datagram longer than the row (truncated by the socket) is counted, not processed.
     before = int(eps[0].endpoint.counters[Reason.OVERSIZED])
-    eps[0].commit_datagram(len(eps[0].rx_buffer()) + 1, 0, wire.now)
+    eps[0].commit_datagrams(np.array([eps[0].rx_arena.shape[1] + 1]), 0, wire.now)
     eps[0].datagrams_to_send(wire.now)  # processes the batch, as every driver pass does
     assert int(eps[0].endpoint.counters[Reason.OVERSIZED]) == before + 1
 
@@ -744,7 +707,7 @@ def test_the_wait_for_acks_counts_from_the_drivers_next_time_not_the_completing_
     longer than the whole ACK wait (~4 ms for 128 datagrams of 64 KB). The wait counts from the
     next time the driver passes in (``get_timer`` asks for one at once), so a driver that comes
     back 5 ms later still waits ``ack_wait_s`` from then. Counted from the completing call, the
-    wait had always run out already and the whole gather shard was copied out at once."""
+    wait would always have run out already and the whole gather shard be copied out at once."""
     copied = _count_copies(monkeypatch)
     eps = make(2, ack_wait_s=0.002)
 

@@ -1,7 +1,8 @@
 """The sender's housekeeping tick runs when something can be due, not every ``tick_s``.
 
 A sender waiting on a peer that has not started (or is slow to read) has nothing to do until a
-timeout, a probe or a deadline falls due; it used to tick a thousand times a second anyway.
+timeout, a probe or a deadline falls due; ticking every ``tick_s`` regardless would wake it a
+thousand times a second for nothing.
 Deterministic: the in-memory wire and its fake clock.
 """
 
@@ -14,8 +15,8 @@ from gradlane.scheduling.paths import PathSet
 from gradlane.transport.core.events import AllReduceComplete
 from gradlane.transport.wire.header import Kind
 
+from tests.support.cores import kind_of, make, random_datas, run_allreduce
 from tests.support.wire import Wire
-from tests.unit.test_core import kind_of, make, random_datas, run_allreduce
 
 
 def count_ticks(ep) -> list[float]:

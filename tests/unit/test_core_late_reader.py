@@ -19,8 +19,8 @@ from gradlane.transport.core.events import AllReduceComplete, DatagramRun
 from gradlane.transport.core.outgoing import INFLIGHT, LOST, OutKey
 from gradlane.transport.wire.header import DType, Flags, Kind, Phase
 
+from tests.support.cores import header_of, kind_of, make, random_datas, run_allreduce
 from tests.support.wire import Wire
-from tests.unit.test_core import header_of, kind_of, make, random_datas, run_allreduce
 
 RTO = 0.02  # min_rto_s: on the in-memory wire's 50 us the RTO is this floor
 NACK_AFTER = 0.2  # soft_deadline_min_s: the receivers' deadline NACKs come no sooner

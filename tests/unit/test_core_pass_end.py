@@ -15,9 +15,15 @@ from gradlane.transport.core.events import AllReduceComplete, DatagramRun
 from gradlane.transport.core.outgoing import INFLIGHT, LOST, OutKey
 from gradlane.transport.wire.header import DType, Flags, Kind, Phase
 
+from tests.support.cores import (
+    header_of,
+    kind_of,
+    lose_first_transmission,
+    make,
+    random_datas,
+    run_allreduce,
+)
 from tests.support.wire import Wire
-from tests.unit.test_core import header_of, kind_of, make, random_datas, run_allreduce
-from tests.unit.test_core_recovery import lose_first_transmission
 
 # No history: the soft (and NACK) deadline is its maximum, 0.5 s; the sender's own loss
 # detection is slow too. What completes a collective within 50 ms is the pass end.

@@ -10,8 +10,8 @@ import pytest
 from gradlane.scheduling.paths import PathConfig, PathState
 from gradlane.transport.wire.header import Kind, Reason
 
+from tests.support.cores import kind_of, make, random_datas, run_allreduce
 from tests.support.wire import Wire
-from tests.unit.test_core import kind_of, make, random_datas, run_allreduce
 
 
 @pytest.mark.parametrize(("interval", "latency"), [(0.02, 0.002), (0.0005, 0.002), (0.0005, 50e-6)])

@@ -10,8 +10,14 @@ from gradlane.scheduling.priority import PriorityConfig
 from gradlane.transport.core.events import AllReduceComplete
 from gradlane.transport.wire.header import Kind, Phase
 
+from tests.support.cores import (
+    header_of,
+    lose_first_transmission,
+    make,
+    random_datas,
+    run_allreduce,
+)
 from tests.support.wire import Wire
-from tests.unit.test_core import header_of, kind_of, make, random_datas, run_allreduce
 
 
 @pytest.mark.parametrize("bound", [0.0, 0.05])
@@ -19,7 +25,7 @@ def test_no_gather_nack_before_the_peer_sends_its_gather(bound):
     """A peer whose reduce phase is slow starts its gather late. This rank's gather transfer
     from it must not NACK before its first gather datagram: its deadline clock runs from that
     datagram. (Timed from this rank's own gather start, a learned near-zero gather duration
-    made it NACK the whole shard every few milliseconds while the peer was still reducing.)"""
+    would make it NACK the whole shard every few milliseconds while the peer still reduces.)"""
     world, n = 2, 20000
     eps = make(world, loss=LossConfig(loss_bound=bound, hard_deadline_s=5.0))
     datas = random_datas(world, n, 3)
@@ -51,23 +57,6 @@ def test_no_gather_nack_before_the_peer_sends_its_gather(bound):
     ]  # fmt: skip
     assert first_gather > slow["until"] - 0.01  # the peer's gather really started late
     assert early_nacks == []
-
-
-def lose_first_transmission(chunk: int):
-    """A Wire drop rule losing the first transmission of rank 0's reduce-phase ``chunk``, and
-    the list of that chunk's transmissions so far (1, 2, ...)."""
-    sent: list[int] = []
-
-    def drop(src, dg, q):
-        if src != 0 or kind_of(dg) != Kind.DATA:
-            return False
-        h = header_of(dg)
-        if h["phase"] != Phase.REDUCE or h["chunk"] != chunk:
-            return False
-        sent.append(len(sent) + 1)
-        return len(sent) == 1
-
-    return drop, sent
 
 
 def test_a_chunk_lost_mid_batch_is_resent_after_the_reorder_window_not_the_rto():

@@ -14,8 +14,8 @@ from gradlane.transport.core.collective import TransposeAllReduce
 from gradlane.transport.core.events import AllReduceComplete
 from gradlane.transport.wire.header import Flags, Kind, Phase
 
+from tests.support.cores import header_of, kind_of, make, run_allreduce
 from tests.support.wire import Wire
-from tests.unit.test_core import header_of, kind_of, make, run_allreduce
 
 
 @pytest.mark.parametrize(

@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 
 import numpy as np
 import pytest
+from gradlane.integrations.cli.stats import samples
+from gradlane.scheduling.errors import GradlaneError
 from gradlane.transport import kernels
 from gradlane.transport.core.events import CollectiveReport, LossReport, SenderReport
 from gradlane.transport.daemon import messages as ipc
 from gradlane.transport.daemon.config import DaemonConfig, load, parse_address
-from gradlane.transport.daemon.metrics import Registry, parse
+from gradlane.transport.daemon.metrics import DaemonMetrics
 from gradlane.transport.daemon.shm import Segment, SegmentError, check_name, remove_prefix
 from gradlane.transport.errors import ConfigError
 from gradlane.transport.wire.header import DType
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from tests.support import naive
 
@@ -139,27 +144,96 @@ def test_config_dataclass_validates():
 
 
 # -- metrics ----------------------------------------------------------------------------------
-def test_metrics_text_format_and_parse():
-    m = Registry()
-    m.inc("gl_drops_total", 3, "drops", class_="2", reason="late")
-    m.inc("gl_drops_total", 1, class_="2", reason="late")
-    m.set("gl_frac", 0.5, "fraction")
-    for v in (0.002, 0.02, 20.0):
-        m.observe("gl_latency_seconds", v, "latency", buckets=(0.01, 0.1))
-    text = m.render()
-    assert "# TYPE gl_drops_total counter" in text
-    assert 'gl_drops_total{class="2",reason="late"} 4' in text
-    assert 'gl_latency_seconds_bucket{le="0.01"} 1' in text
-    assert 'gl_latency_seconds_bucket{le="0.1"} 2' in text
-    assert 'gl_latency_seconds_bucket{le="+Inf"} 3' in text
-    assert "gl_latency_seconds_count 3" in text
-    samples = {(n, tuple(sorted(lb.items()))): v for n, lb, v in parse(text)}
-    assert samples[("gl_frac", ())] == 0.5
-    assert m.value("gl_drops_total", class_="2", reason="late") == 4
+#: Every family the daemon exposes: type, label names, help text.
+DAEMON_METRICS = {
+    "gradlane_step_latency_seconds": (
+        "histogram", (), "first local submission to the all-reduced result, per (step, bucket)"),
+    "gradlane_collectives_total": ("counter", ("outcome",), "all-reduces by outcome"),
+    "gradlane_delivered_fraction": ("gauge", (), "delivered fraction of the last all-reduce"),
+    "gradlane_delivered_fraction_min": ("gauge", (), "smallest delivered fraction so far"),
+    "gradlane_drops_total": (
+        "counter", ("class", "reason"), "chunks dropped, by priority class and reason"),
+    "gradlane_retransmits_total": (
+        "counter", ("class",), "chunks retransmitted, by priority class"),
+    "gradlane_path_bytes_total": ("counter", ("path",), "bytes sent per path"),
+    "gradlane_path_rate_bytes_per_second": (
+        "gauge", ("peer", "path"), "estimated rate per peer and path"),
+    "gradlane_path_loss_ratio": ("gauge", ("peer", "path"), "loss EWMA per peer and path"),
+    "gradlane_packets_rejected": ("gauge", ("reason",), "datagrams rejected, by reason (engine)"),
+    "gradlane_ipc_rejected_total": ("counter", ("reason",), "IPC messages rejected, by reason"),
+    "gradlane_slot_timeouts_total": ("counter", (), "slots freed at their deadline"),
+    "gradlane_local_ranks": ("gauge", (), "trainers connected"),
+    "gradlane_collectives_in_flight": ("gauge", (), "inter-host all-reduces running"),
+    "gradlane_generation": ("gauge", (), "this daemon's generation"),
+}  # fmt: skip
+
+
+def _report(missing: int) -> CollectiveReport:
+    loss = LossReport(3, 1, 0, 0, 100, missing, {0: 1.0}, 0.01, False)
+    sender = SenderReport((5, 5, 5), (0, 0, 4), (1, 0, 0), 900, (600, 300))
+    return CollectiveReport(3, 1, 0.02, loss, (loss,), sender)
+
+
+def _exercised(generation: int = 1_768_000_123_456_789) -> DaemonMetrics:
+    """Metrics with a sample in every family, through the calls the daemon makes."""
+    m = DaemonMetrics(generation)
+    m.collective(_report(missing=2), 0.002)
+    m.collective(_report(missing=0), 0.02)
+    m.step_latency.observe(20.0)
+    m.collectives.labels("failed").inc()
+    m.drop("local_rank_timeout", "all")
+    m.slot_timeouts.inc()
+    m.ipc_rejected.labels("mismatch").inc()
+    m.local_ranks.set(2)
+    m.in_flight.set(1)
+    m.engine(
+        {"rejected": {"bad_tag": 7}, "paths": {1: {"rate_Bps": [1e6, None], "loss": [0.25, None]}}}
+    )
+    return m
+
+
+def test_daemon_metrics_names_types_labels_and_help():
+    text = generate_latest(_exercised().registry).decode()
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    helps = dict(re.findall(r"^# HELP (\S+) (.*)$", text, re.M))
+    ours = {n for n in types if not n.endswith("_created")}  # prometheus_client's timestamps
+    assert ours == set(DAEMON_METRICS)
+    labels: dict[str, set[str]] = {n: set() for n in DAEMON_METRICS}
+    for name, lb, _ in samples(text):
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in labels else name
+        labels[family] |= set(lb) - {"le"}
+    for name, (kind, names, help_text) in DAEMON_METRICS.items():
+        assert (types[name], helps[name], labels[name]) == (kind, help_text, set(names)), name
+
+
+def test_daemon_metrics_text_and_values():
+    fresh = DaemonMetrics(5)
+    assert math.isnan(fresh.value("gradlane_delivered_fraction"))  # no all-reduce yet
+    assert fresh.value("gradlane_delivered_fraction_min") == 1.0
+    assert fresh.value("gradlane_ipc_rejected_total", reason="mismatch") == 0.0
+    m = _exercised()
+    text = generate_latest(m.registry).decode()
+    assert "# TYPE gradlane_drops_total counter" in text
+    assert 'gradlane_drops_total{class="2",reason="skipped_within_bound"} 8.0' in text
+    assert 'gradlane_step_latency_seconds_bucket{le="0.0025"} 1.0' in text
+    assert 'gradlane_step_latency_seconds_bucket{le="0.025"} 2.0' in text
+    assert 'gradlane_step_latency_seconds_bucket{le="10.0"} 2.0' in text
+    assert 'gradlane_step_latency_seconds_bucket{le="+Inf"} 3.0' in text
+    assert "gradlane_step_latency_seconds_count 3.0" in text
+    got = {(n, tuple(sorted(lb.items()))): v for n, lb, v in samples(text)}
+    assert got[("gradlane_generation", ())] == 1_768_000_123_456_789  # exact: < 2**53
+    assert got[("gradlane_delivered_fraction", ())] == 1.0
+    assert got[("gradlane_delivered_fraction_min", ())] == 0.98
+    assert got[("gradlane_drops_total", (("class", "all"), ("reason", "missing_elements")))] == 4
+    assert got[("gradlane_path_bytes_total", (("path", "1"),))] == 600
+    assert got[("gradlane_path_rate_bytes_per_second", (("path", "1"), ("peer", "1")))] == 0.0
+    assert got[("gradlane_collectives_total", (("outcome", "ok"),))] == 2
+    assert not any(n.endswith("_created") for n, _ in got)
+    assert m.value("gradlane_drops_total", **{"class": "2", "reason": "skipped_within_bound"}) == 8
     with pytest.raises(ValueError):
-        m.inc("gl_drops_total", -1)
-    with pytest.raises(ConfigError):
-        m.set("gl_drops_total", 1)  # a counter is not a gauge
+        m.drop("late", "0", -1)  # a counter never goes down
+    with pytest.raises(GradlaneError, match="not a Prometheus"):
+        samples("gradlane_local_ranks{oops 1\n")
 
 
 # -- shared memory ----------------------------------------------------------------------------

@@ -26,95 +26,27 @@ from gradlane.transport.wire.header import (
     packet_tag,
 )
 from gradlane.transport.wire.tag import TagKey
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support import naive
-
-SETTINGS = settings(
-    max_examples=60,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+from tests.support.kernel_inputs import (
+    ITEM,
+    JOB,
+    KEYED,
+    ME,
+    SETTINGS,
+    WORLD,
+    arena_of,
+    assert_guards,
+    guarded,
+    header,
+    pack_all,
+    row_width,
+    session,
+    shard,
+    transfer,
 )
-ITEM = {DType.F32: 4, DType.F16: 2, DType.BF16: 2}
-KEYED = TagKey.from_secret("kernel-tests")
-JOB, ME, WORLD = 7, 0, 4
-GUARD = 16  # elements of sentinel around every output array
-
-
-# --- helpers ------------------------------------------------------------------------------------
-
-
-def shard(rng: np.random.Generator, n: int, dtype: DType) -> np.ndarray:
-    """Gradient-like values in the dtype's source form (bf16: raw bits of rounded f32)."""
-    values = rng.standard_normal(n).astype(np.float32) * np.float32(rng.uniform(0.01, 10))
-    if dtype == DType.F32:
-        return values
-    if dtype == DType.F16:
-        return values.astype(np.float16)
-    return (values.view(np.uint32) >> 16).astype(np.uint16)
-
-
-def row_width(chunk_elems: int, dtype: DType, extra: int = 0) -> int:
-    need = 48 + chunk_elems * ITEM[dtype] + extra
-    return need + (-need) % 8
-
-
-def arena_of(datagrams: list[bytes], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """A receive arena holding ``datagrams`` one per row, garbage after each datagram."""
-    longest = max((len(d) for d in datagrams), default=48)
-    width = width or longest + (-longest) % 8
-    arena = np.full((len(datagrams), max(width, 48)), 0xA5, dtype=np.uint8)
-    lengths = np.zeros(len(datagrams), dtype=np.int64)
-    for i, d in enumerate(datagrams):
-        arena[i, : len(d)] = np.frombuffer(d, dtype=np.uint8)
-        lengths[i] = len(d)
-    return arena, lengths
-
-
-def guarded(n: int, dtype: type, fill: float | int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(buffer, view): ``view`` is ``n`` elements in the middle of a sentinel-filled buffer."""
-    buf = np.zeros(n + 2 * GUARD, dtype=dtype)
-    buf.view(np.uint8)[:] = 0xC3
-    view = buf[GUARD : GUARD + n]
-    view[:] = fill
-    return buf, view
-
-
-def assert_guards(buf: np.ndarray) -> None:
-    raw = buf.view(np.uint8)
-    edge = GUARD * buf.itemsize
-    assert np.all(raw[:edge] == 0xC3) and np.all(raw[-edge:] == 0xC3), "wrote outside its slot"
-
-
-def session(key: TagKey | None = None, **kw: int) -> SessionSpec:
-    return SessionSpec(job=JOB, me=ME, world=WORLD, key=key or TagKey(), **kw)
-
-
-def transfer(dtype: DType, n_elems: int, chunk_elems: int, **kw: int) -> TransferSpec:
-    fields = {"step": 5, "bucket": 2, "shard": 0, "phase": Phase.REDUCE, "src_lo": 0}
-    fields.update({"src_hi": WORLD, **kw})
-    return TransferSpec(dtype=dtype, n_elems=n_elems, chunk_elems=chunk_elems, **fields)
-
-
-def header(src: int = 1, **kw: int) -> Header:
-    fields = {"kind": Kind.DATA, "job": JOB, "step": 5, "bucket": 2, "shard": 0, "dst": ME}
-    fields.update(kw)
-    return Header(src=src, **fields)
-
-
-def pack_all(
-    src: np.ndarray, dtype: DType, chunk_elems: int, key: TagKey, hdr: Header, **kw
-) -> list[bytes]:
-    n_chunks = -(-naive.wire_bits(src, dtype).shape[0] // chunk_elems)
-    arena = np.zeros((max(n_chunks, 1), row_width(chunk_elems, dtype)), dtype=np.uint8)
-    lengths = np.zeros(max(n_chunks, 1), dtype=np.int64)
-    n = kernels.pack(
-        src, arena, lengths, dtype=dtype, header=hdr, chunk_elems=chunk_elems, key=key, **kw
-    )
-    assert n == n_chunks
-    return [arena[c, : lengths[c]].tobytes() for c in range(n)]
 
 
 class Receiver:
@@ -732,10 +664,19 @@ def test_hadamard_signs_follow_the_counter_hash() -> None:
     assert np.array_equal(x, naive.signs(300, 2**64 - 1).astype(np.float32))
 
 
-def test_hadamard_empty_is_a_no_op() -> None:
-    x = np.zeros(0, dtype=np.float32)
-    kernels.hadamard_forward(x, seed=0)
-    kernels.hadamard_inverse(x, seed=0)
+def test_hadamard_empty_is_a_no_op_with_checked_arguments() -> None:
+    """An empty vector is left as it is and nothing around it is written (an empty view into
+    a buffer); its dtype and block are still checked."""
+    buf = np.arange(8, dtype=np.float32)
+    empty = buf[4:4]
+    kernels.hadamard_forward(empty, seed=0)
+    kernels.hadamard_inverse(empty, seed=0, block=1)
+    assert empty.shape == (0,)
+    np.testing.assert_array_equal(buf, np.arange(8, dtype=np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.hadamard_forward(np.zeros(0, dtype=np.float64), seed=0)
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.hadamard_inverse(np.zeros(0, dtype=np.float32), seed=0, block=3)
 
 
 # --- checked wrappers ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from gradlane.transport.wire.tag import TagKey
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.unit.test_kernels import (
+from tests.support.kernel_inputs import (
     SETTINGS,
     WORLD,
     arena_of,

@@ -67,8 +67,15 @@ def test_config_validation(kwargs: dict[str, object], fragment: str) -> None:
     assert isinstance(info.value, GradlaneError)
 
 
-def test_fractions_summing_to_one_are_accepted() -> None:
-    PriorityConfig(protected_fraction=0.7, droppable_fraction=0.3)
+@pytest.mark.parametrize("drop", [0.3, 0.3 + 1e-12], ids=["exact", "rounding"])
+def test_fractions_summing_to_one_are_accepted(drop: float) -> None:
+    """Fractions summing to one, exactly or above it by a rounding error, are valid: every
+    chunk is then either protected (the 7 largest of 10) or droppable (the other 3)."""
+    cfg = PriorityConfig(protected_fraction=0.7, droppable_fraction=drop)
+    norms = np.arange(10, 0, -1, dtype=np.float32)  # chunk 0 the largest
+    got = make_priority_policy(cfg).classify(norms=norms, layer_position=0.5)
+    assert got.protected.tolist() == [True] * 7 + [False] * 3
+    assert got.droppable.tolist() == [False] * 7 + [True] * 3
 
 
 def test_tos_out_of_range() -> None:

@@ -13,7 +13,7 @@ from gradlane.bench.replay.synth import SynthSpec, load_params, main, model_para
 from gradlane.integrations.trace import read_trace
 from torch.nn.parallel import DistributedDataParallel
 
-from .test_traces import BUCKET_FIELDS
+from tests.support.traces import BUCKET_FIELDS
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The traces shipped under ``bench/replay/traces/`` follow the documented format (README,
+"""The traces shipped under ``bench/replay/traces/`` follow the documented format (docs/testbed.md,
 trace.py)."""
 
 from __future__ import annotations
@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.traces import BUCKET_FIELDS
+
 TRACES = Path(__file__).resolve().parents[2] / "bench" / "replay" / "traces"
-BUCKET_FIELDS = {
-    "kind", "rank", "step", "bucket", "bytes", "numel", "dtype", "params", "layer_span",
-    "ready_s", "gap_s", "comm_s", "last", "ok",
-}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ bias — each chunk is scaled by world / contributors, so a chunk that missed a 
 mean of those that arrived times the world size — and sent to every other rank (GATHER phase),
 which places it into its result. A gathered chunk that never came keeps the rank's own value
 scaled by the world size (the same unbiased-sum convention). The result is the SUM over ranks;
-the DDP hook divides by the world size.
+the DDP hook asks for the mean with ``scale=1/world``.
 
 With ``rotate``, float32 buckets are rotated by a seeded randomized Hadamard transform before
 sharding and rotated back after the gather: the transform is linear, so it commutes with the
@@ -23,6 +23,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from gradlane.transport import kernels
@@ -165,11 +166,12 @@ class _Collective:
 
 
 class TransposeAllReduce:
-    """Per-rank transpose all-reduce over an :class:`Endpoint`; itself an Endpoint for drivers.
+    """Per-rank transpose all-reduce over an :class:`Endpoint`, behind the same driver API
+    (:class:`~gradlane.transport.core.events.SansIOCore`, plus the endpoint's receive arena).
 
     ``start(step, bucket, data, layer_position, now)`` begins one collective; the driver gets an
     :class:`AllReduceComplete` (result + :class:`CollectiveReport`) or :class:`AllReduceFailed`
-    from ``next_event()``.
+    from ``next_event()``. Drivers use only the public methods and properties here.
     """
 
     def __init__(
@@ -353,18 +355,38 @@ class TransposeAllReduce:
         """Collectives started here and not yet completed or failed."""
         return len(self._running)
 
+    def owed(self) -> set[tuple[int, int]]:
+        """The (step, bucket) of every outgoing transfer not yet acknowledged or stopped (see
+        :meth:`Endpoint.owed`; safe off the driver's thread)."""
+        return self.endpoint.owed()
+
+    def stats(self) -> dict[str, object]:
+        """The endpoint's reject counters and totals (see :meth:`Endpoint.stats`)."""
+        return self.endpoint.stats()
+
+    def path_stats(self) -> dict[int, dict[str, Any]]:
+        """Per peer, per path statistics (see :meth:`Endpoint.path_stats`)."""
+        return self.endpoint.path_stats()
+
     # -- driver API (delegates to the endpoint, then advances collectives) -----------------------
+    @property
+    def rx_arena(self) -> np.ndarray:
+        """The receive arena drivers fill (see :attr:`Endpoint.rx_arena`)."""
+        return self.endpoint.rx_arena
+
+    @property
+    def rx_free(self) -> int:
+        """The arena's first free row (see :attr:`Endpoint.rx_free`)."""
+        return self.endpoint.rx_free
+
+    def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
+        """Commit the datagrams just written into the arena's free rows: the way a batch of
+        received datagrams goes in (see :meth:`Endpoint.commit_datagrams`)."""
+        self.endpoint.commit_datagrams(lengths, path, now)
+
     def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
-        """Feed one datagram (see :class:`Endpoint`)."""
+        """Feed one datagram given as bytes (see :meth:`Endpoint.receive_datagram`)."""
         self.endpoint.receive_datagram(data, path, now)
-
-    def rx_buffer(self) -> memoryview:
-        """Buffer for a zero-copy receive (see :meth:`Endpoint.rx_buffer`)."""
-        return self.endpoint.rx_buffer()
-
-    def commit_datagram(self, nbytes: int, path: int, now: float) -> None:
-        """Commit a datagram received into :meth:`rx_buffer` (see :class:`Endpoint`)."""
-        self.endpoint.commit_datagram(nbytes, path, now)
 
     def note_drained(self, now: float) -> None:
         """Every receive socket was just read empty (see :meth:`Endpoint.note_drained`)."""
@@ -448,9 +470,9 @@ class TransposeAllReduce:
             # The wait starts at the next time the driver passes in (get_timer asks for one at
             # once), not at ``now``: ``now`` is when this call began, and processing the batch
             # that completed the result can take longer than the whole wait (a pass of 128
-            # datagrams of 64 KB: ~4 ms here). Counted from ``now``, the wait had always run out
-            # already, and a 2 x 25 MB all-reduce copied its whole gather shard (12.5 MB, ~3 ms)
-            # out of the caller's buffer at nearly every completion.
+            # datagrams of 64 KB takes milliseconds). Counted from ``now``, the wait would
+            # nearly always have run out already, and the collective would copy its whole
+            # gather shard out of the caller's buffer at almost every completion.
             c.finish_by = None
             self._waiting[(c.step, c.bucket)] = c
         else:

@@ -1,11 +1,20 @@
 """One rank's protocol endpoint: a batching receive path, a dispatch table, sender and receiver.
 
-The endpoint is the aioquic-shaped object a driver talks to (``receive_datagram``,
-``datagrams_to_send``, ``get_timer``, ``handle_timer``, ``next_event``). Received datagrams are
-copied into a small arena and processed in batches: framing checks are vectorised over the
-batch's headers, DATA rows are grouped by transfer and handed to one kernel call per group, and
-control packets (a few per hundred DATA) go through :func:`gradlane.transport.wire.header.validate`
-and a dispatch table keyed by :class:`~gradlane.transport.wire.header.Kind` (STYLE rule 5).
+The endpoint is the aioquic-shaped object a driver talks to (``datagrams_to_send``,
+``get_timer``, ``handle_timer``, ``next_event``). Received datagrams land in a small arena and
+are processed in batches: framing checks are vectorised over the batch's headers, DATA rows are
+grouped by transfer and handed to one kernel call per group, and control packets (a few per
+hundred DATA) go through :func:`gradlane.transport.wire.header.validate` and a dispatch table
+keyed by :class:`~gradlane.transport.wire.header.Kind` (STYLE rule 5).
+
+Receiving
+---------
+There is one way in: a driver writes datagrams into the free rows of :attr:`Endpoint.rx_arena`
+(from row :attr:`Endpoint.rx_free` on, one datagram per row, as many as one system call
+brings: ``recvmmsg``, a GRO split, a ZeroMQ batch frame) and hands their lengths to
+:meth:`Endpoint.commit_datagrams`. Nothing is copied and nothing is done per datagram in
+Python. :meth:`Endpoint.receive_datagram` is the same for one datagram given as bytes (a copy
+into the next row): the form in-memory drivers use (simulator, tests).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import logging
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 from gradlane.scheduling.loss import LossPolicy
@@ -48,8 +58,8 @@ log = logging.getLogger(__name__)
 
 #: Rows of the receive arena: a batch is processed when it reaches the last row even if nobody
 #: asks. 512 slots of 65000-byte datagrams are 33 MB of address space, touched only as deep as
-#: batches go: with 256, a rank a whole scatter phase behind its peers (4 x 25 MB: ~290 early
-#: datagrams) had to copy the early data that did not fit in place.
+#: batches go; fewer rows would make a rank a whole scatter phase behind its peers (hundreds of
+#: early datagrams) copy the early data that does not fit in place.
 RX_BATCH = 512
 #: Fewest arena rows left above a batch whose early data the receiver may hold in place: the
 #: next batches go there (beyond it, early data is copied out of the arena).
@@ -96,8 +106,6 @@ class Endpoint:
         self._rx = np.zeros((RX_BATCH, cfg.slot_bytes), dtype=np.uint8)
         self._rx_len = np.zeros(RX_BATCH, dtype=np.int64)  # as the receive kernels read them
         self._rx_path = np.zeros(RX_BATCH, dtype=np.int64)
-        # One writable view per arena row, for drivers that receive straight into the arena.
-        self._rx_rows = [row.data for row in self._rx]
         self._rx_n = 0  # the next free row
         self._rx_base = 0  # the current batch's first row (above rows held in place)
         # Batches the receiver holds in place (early data): (end row, weak reference to the
@@ -120,36 +128,11 @@ class Endpoint:
         }
 
     # -- driver API ---------------------------------------------------------------------------
-    def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
-        """Queue one datagram; batches are processed before any output or event is produced."""
-        n = len(data)
-        if n <= self._rx.shape[1]:
-            self._rx[self._rx_n, :n] = np.frombuffer(data, dtype=np.uint8)
-        self.commit_datagram(n, path, now)
-
-    def rx_buffer(self) -> memoryview:
-        """Where the next datagram goes, for a zero-copy receive (``sock.recv_into``).
-
-        Write at most ``len(buffer)`` bytes into it, then call :meth:`commit_datagram`; the view
-        is only valid until then. Saves a copy and an allocation per datagram over
-        :meth:`receive_datagram`.
-        """
-        return self._rx_rows[self._rx_n]
-
-    def commit_datagram(self, nbytes: int, path: int, now: float) -> None:
-        """The datagram just written into :meth:`rx_buffer` is ``nbytes`` long (its real length:
-        a longer one than the buffer was truncated; the batch's checks count it as oversized)."""
-        i = self._rx_n
-        self._rx_len[i] = nbytes
-        self._rx_path[i] = path
-        self._committed(i, 1, now)
-
     @property
     def rx_arena(self) -> np.ndarray:
-        """The receive arena (one datagram per row, ``slot_bytes`` wide), for drivers that fill
-        several rows with one system call (``recvmmsg``); the free rows are
-        ``rx_arena[rx_free:]``. Fill some of them from the first, then :meth:`commit_datagrams`.
-        """
+        """The receive arena: one datagram per row, ``slot_bytes`` wide. The free rows are
+        ``rx_arena[rx_free:]``: fill some of them from the first, then
+        :meth:`commit_datagrams`. The rows are only valid until then."""
         return self._rx
 
     @property
@@ -160,7 +143,9 @@ class Endpoint:
     def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
         """The ``len(lengths)`` datagrams just written into rows ``rx_free, rx_free + 1, ...``
         of :attr:`rx_arena`, all from ``path``, have these real lengths (longer than a row:
-        truncated, counted as oversized). At most ``len(rx_arena) - rx_free`` of them."""
+        truncated, counted as oversized). At most ``len(rx_arena) - rx_free`` of them. A batch
+        is processed before any output or event is produced, and at once when the arena is
+        full (so :attr:`rx_free` may be back at the top after this call)."""
         k = int(lengths.shape[0])
         if k == 0:
             return
@@ -170,6 +155,16 @@ class Endpoint:
         self._rx_len[i : i + k] = lengths
         self._rx_path[i : i + k] = path
         self._committed(i, k, now)
+
+    def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
+        """:meth:`commit_datagrams` for one datagram given as bytes: copied into the next row
+        (cut to the row's width: a longer one counts as oversized), then committed."""
+        i, n = self._rx_n, len(data)
+        if n <= self._rx.shape[1]:
+            self._rx[i, :n] = np.frombuffer(data, dtype=np.uint8)
+        self._rx_len[i] = n
+        self._rx_path[i] = path
+        self._committed(i, 1, now)
 
     def note_drained(self, now: float) -> None:
         """The driver read every receive socket empty in a pass that began at ``now``: whatever
@@ -251,6 +246,16 @@ class Endpoint:
             self._newest_step = step
             self.session = self._session()
 
+    def owed(self) -> set[tuple[int, int]]:
+        """The (step, bucket) of every outgoing transfer neither acknowledged nor stopped by its
+        receiver. May run off the driver's thread: ``list()`` copies the keys in one step
+        under the GIL while the driver changes them."""
+        return {(k.step, k.bucket) for k in list(self.sender.transfers)}
+
+    def path_stats(self) -> dict[int, dict[str, Any]]:
+        """Per peer, per path: state, rate, RTT, loss EWMA, sent/acked/lost bytes."""
+        return {peer: ps.snapshot() for peer, ps in self.sender.paths.items()}
+
     def stats(self) -> dict[str, object]:
         """Reject counters by reason and a few totals (for logs and reports)."""
         return {
@@ -320,7 +325,7 @@ class Endpoint:
         self._rx_n = b  # a flush nested in this one finds nothing to do
         arena = self._rx[b:e]
         # Early data may stay in place only if the rows above this batch leave room for the
-        # next ones; otherwise the receiver copies it (as it always did before pinning).
+        # next ones; otherwise the receiver copies it out of the arena.
         pin = RX_BATCH - e >= MIN_ROOM
         if self._process(arena, self._rx_len[b:e], self._rx_path[b:e], now, pin):
             self._pins.append((e, weakref.ref(arena)))
@@ -381,8 +386,8 @@ class Endpoint:
     @staticmethod
     def _groups(arena: np.ndarray, rows: np.ndarray) -> list[tuple[InKey, np.ndarray]]:
         """DATA ``rows`` of ``arena`` grouped by transfer key (a batch that mixes transfers),
-        in key order, each group in batch order: one compiled pass (the NumPy version, a sort
-        of structured-record fields, cost ~40 µs a batch)."""
+        in key order, each group in batch order: one compiled pass (a NumPy sort of the
+        structured records' fields would cost tens of µs a batch)."""
         n = int(rows.shape[0])
         out = np.empty(n, dtype=np.int64)  # fresh: held early data may keep a group's rows
         keys = np.empty((n, 4), dtype=np.int64)

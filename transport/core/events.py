@@ -1,7 +1,8 @@
 """Events the sans-I/O cores emit, the datagrams they hand out, and the driver protocol.
 
 Cores never call back into their driver: they queue small frozen events that the driver pulls
-with ``next_event()`` (STYLE rule 6). Only the engine turns events into Futures.
+with ``next_event()`` (STYLE rule 6). Only the drivers (the data planes) turn events into
+Futures.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ __all__ = [
     "CollectiveReport",
     "Datagram",
     "DatagramRun",
-    "Endpoint",
     "Event",
     "LossReport",
     "PeerTimedOut",
+    "SansIOCore",
     "TransferComplete",
     "flat",
 ]
@@ -211,11 +212,15 @@ class AllReduceFailed:
 Event = TransferComplete | PeerTimedOut | AllReduceComplete | AllReduceFailed
 
 
-class Endpoint(Protocol):
-    """The sans-I/O driver API every protocol object offers (the aioquic shape).
+class SansIOCore(Protocol):
+    """The driver API of a sans-I/O protocol core (the aioquic shape): what a driver (the UDP or
+    ZeroMQ data plane, the network simulator, an in-memory test wire) calls.
 
-    A driver (UDP engine, ZeroMQ plane, network simulator) feeds datagrams in with the path they
-    arrived on, takes datagrams out, re-arms one timer from ``get_timer()`` and pulls events.
+    The driver feeds datagrams in with the path they arrived on, takes datagrams out, re-arms
+    one timer from ``get_timer()`` and pulls events. ``receive_datagram`` takes one datagram;
+    drivers that read many per system call fill the core's receive arena instead (``rx_arena``,
+    ``rx_free``, ``commit_datagrams`` of
+    :class:`~gradlane.transport.core.endpoint.Endpoint`), of which it is the one-datagram form.
     """
 
     def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:

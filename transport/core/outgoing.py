@@ -49,6 +49,7 @@ from gradlane.transport.wire.header import (
     ITEMSIZE,
     DType,
     Flags,
+    Header,
     Kind,
     Phase,
     chunk_counts,
@@ -150,9 +151,18 @@ class OutTransfer:
             # The checked words, then the kernel without write_headers' argument checks: every
             # array here is this transfer's own, of the shapes checked above.
             words = kernels.header_words(
-                Kind.DATA, key.phase, dtype, cfg.job, key.step, key.bucket, key.shard, me,
-                key.dst,
-            )  # fmt: skip
+                Header(
+                    kind=Kind.DATA,
+                    phase=key.phase,
+                    dtype=dtype,
+                    job=cfg.job,
+                    step=key.step,
+                    bucket=key.bucket,
+                    shard=key.shard,
+                    src=me,
+                    dst=key.dst,
+                )
+            )
             kernels.fill_headers(
                 self.hdr,
                 data,
@@ -171,7 +181,7 @@ class OutTransfer:
         flat = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         self.payload = flat.data
         # Their addresses, once: a driver's sendmmsg tables point into them, and finding an
-        # address from a memoryview costs ~5 us, twice per run.
+        # address from a memoryview costs microseconds, twice per run.
         self.hdr_addr = int(self.hdr.ctypes.data)
         self.payload_addr = int(flat.ctypes.data)
         self._owned: np.ndarray | None = None  # the copied-out payload, once released
@@ -294,8 +304,8 @@ class OutTransfer:
         A lane is one path and one class (one socket and TOS, one queue of a priority
         network; lanes are path × ``n_classes``): in it, a chunk overtaken by a later one for
         that long is lost. The ACK-time check (kernels.apply_ack) compares send times, and a
-        batch's chunks share one: a chunk lost from the middle of a batch waited for the
-        retransmission timeout (about 10 ms on a loaded 2-core host) instead of the window.
+        batch's chunks share one: without this, a chunk lost from the middle of a batch would
+        wait for the retransmission timeout (milliseconds on a loaded host), not the window.
         """
         if not self.n_inflight:
             return np.empty(0, dtype=np.int64)
@@ -387,7 +397,7 @@ class OutTransfer:
 class SparePayloads:
     """Buffers that held copied-out payloads (:meth:`OutTransfer.release_source`), kept for the
     next copy: a new multi-megabyte array costs a page fault per 4 KiB page on its first write,
-    which in a busy process took several times as long as the copy itself. At most ``per_size``
+    which in a busy process takes several times as long as the copy itself. At most ``per_size``
     buffers of each size and ``max_bytes`` in all are kept."""
 
     def __init__(self, max_bytes: int = 128 << 20, per_size: int = 4) -> None:

@@ -28,10 +28,10 @@ delivers everything at once), and ``reorder_window_s`` has passed, what that sen
 lacks is lost, not on its way: a gap the bound allows (none of it protected, the manifest
 known) settles the sender as its FIN would; any other gap is NACKed at once. (The drain
 matters: the pass end may be read from one path's socket while the other's still holds
-hundreds of that sender's packets — a burst of 100 MB on a loaded host — and NACKing those
-resent whole shards that were merely unread.) Without this a tail loss waited for the sender's
-loss detection and FIN, or for the soft deadline (which most lossy completions did), and a
-reliable phase's for the NACK deadline. A NACK sent once a drain followed the sender's newest
+hundreds of that sender's packets — a large burst on a loaded host — and NACKing those would
+resend whole shards that are merely unread.) Without this a tail loss would wait for the
+sender's loss detection and FIN, or for the soft deadline, and a reliable phase's for the NACK
+deadline. A NACK sent once a drain followed the sender's newest
 arrival names that chunk, so the sender can tell a chunk sent before it (lost) from one sent
 after (maybe still on its way).
 
@@ -376,7 +376,7 @@ class ReceiverCore:
         kept (every row counted at its full width), and True returned; the caller then writes
         nothing into ``arena`` while this holds it (until the transfer starts or the data
         expires). Otherwise, and for small datagrams, the rows are copied into a block
-        as wide as the longest of them. Copying was ~30 µs per 64 KB row on a busy 2-core host,
+        as wide as the longest of them. Copying costs tens of µs per 64 KB row on a busy host,
         where most of a rank's early data arrives while its peers have already started.
         """
         self._expire_early(now)
@@ -512,11 +512,11 @@ class ReceiverCore:
 
         A gather transfer is expected from the collective's start, but its data cannot flow
         before its sender's reduce phase ends. Its soft deadline, and with it its NACKs, runs
-        from its first datagram: timed from the collective's start, it learned the reduce
-        phase's length too and fired NACKs at senders that had not begun; timed from this
-        rank's own gather start, a gather whose data had mostly come already learned a
-        near-zero duration — a 2 ms deadline, then NACKs for whole shards every few
-        milliseconds at peers still reducing (a slower peer's gather starts later than ours).
+        from its first datagram: timed from the collective's start, it would learn the reduce
+        phase's length too and fire NACKs at senders that have not begun; timed from this
+        rank's own gather start, a gather whose data has mostly come already would learn a
+        near-zero duration — a deadline of milliseconds, then NACKs for whole shards at peers
+        still reducing (a slower peer's gather starts later than ours).
         """
         t = self.transfers.get(key)
         if t is None or t.done or t.running:
@@ -619,8 +619,8 @@ class ReceiverCore:
             return  # no data and no sign the senders began: nothing is late yet
         if now < t.started + self.loss.soft_deadline(gather, t.elems):
             # The policy could only say CONTINUE, and no NACK is due (its deadline is never
-            # earlier): skip building its view of every chunk. Two checks in three under loss
-            # come here (pass ends, NACK repeats); a check costs ~15% less CPU for it.
+            # earlier): skip building its view of every chunk. Most checks under loss come
+            # here (pass ends, NACK repeats).
             return
         verdict = self.loss.decide_rows(
             gather=gather,
@@ -648,7 +648,8 @@ class ReceiverCore:
             else:
                 # The sockets were not read empty since the deadline (or the last NACK): what
                 # is missing may be waiting in them, as on a loaded host that reads late, and
-                # NACKing it resent whole shards that had come. The next drain looks again.
+                # NACKing it would resend whole shards that have come. The next drain looks
+                # again.
                 self._drain_wait[t.key] = t
 
     def _settle_passes(
@@ -744,9 +745,9 @@ class ReceiverCore:
         # ended by the deadline, or completed by data it had to NACK for, measures that only
         # up to the last packet that came unasked: what never came (or came because the
         # deadline asked for it) says nothing about the pace. Counting the deadline-driven
-        # completions in full made the deadline feed on itself (each step's deadline plus a
-        # resend became the next one's sample: 30 ms to 500 ms in 40 steps of the demo);
-        # leaving them out left it at its maximum under steady random loss.
+        # completions in full would make the deadline feed on itself (each step's deadline
+        # plus a resend becomes the next one's sample, growing step by step); leaving them
+        # out would keep it at its maximum under steady random loss.
         sample, valid = report.duration, clean
         if (not clean or t.nack_at > -np.inf) and t.got > 0:
             sample, valid = t.last_data_at - t.started, True

@@ -228,13 +228,7 @@ class SenderCore:
         # are lost; per priority class too, since classes are separate queues (our per-TOS
         # sockets, the network's priority queues) that legitimately overtake one another.
         r = kernels.apply_ack(
-            t.state,
-            t.tx,
-            t.sent_at,
-            t.path,
-            t.prio,
-            t.counts,
-            t.lengths,
+            kernels.SentChunks(t.state, t.tx, t.sent_at, t.path, t.prio, t.counts, t.lengths),
             bits,
             base=base,
             trigger=trigger,
@@ -298,8 +292,8 @@ class SenderCore:
         arrived: it is lost. One sent after it may still be on its way, if it left less than
         the path's smallest RTT (at least the reorder window) ago.
         Without ``newest`` a chunk sent less than a smoothed RTT ago counts as on its way —
-        and on a loaded host the smoothed RTT is mostly scheduling delay, so a resend that was
-        lost too waited for the retransmission timeout while the receiver NACKed in vain.
+        and on a loaded host the smoothed RTT is mostly scheduling delay, so a resend that is
+        lost too would wait for the retransmission timeout while the receiver NACKs in vain.
         """
         span = self._bitmap_span(key, base, bits)
         if span is None:
@@ -444,10 +438,9 @@ class SenderCore:
 
         It runs on a grid of ``tick_s`` from the last tick: at the next point while anything
         happens (ACKs, NACKs, sends: :meth:`_wake`), else at the first point when something
-        can be due. A sender waiting on a busy peer ticked a thousand times a second for
-        nothing (~0.3 ms each, 15 times per DDP step at 4 ranks on 2 cores). The ticks it
-        skips would have found nothing, and those it runs fall where they fell, so the
-        protocol acts at the same times as when it ticked every ``tick_s``."""
+        can be due, so a sender waiting on a busy peer does not tick a thousand times a second
+        for nothing. The ticks it skips would find nothing, and those it runs fall on the same
+        grid, so the protocol acts at the same times as if it ticked every ``tick_s``."""
         self._now = now
         if now < self._tick_at:
             return
@@ -535,15 +528,15 @@ class SenderCore:
         5682, with RACK-TLP's probe, RFC 8985): one more copy of the newest such chunk of each
         path, on that path so that it queues behind the others; the transfer's timer restarts,
         backed off. On a loaded host a timeout mostly means a receiver that has not read its
-        socket yet: resending everything late to it doubled the queue it was behind on (40 to
-        100 chunks of 64 KB per timeout at 4 x 25 MB on 2 cores). The ACKs that follow tell
+        socket yet: resending everything late to it would double the queue it is behind on
+        (tens of 64 KB chunks per timeout). The ACKs that follow tell
         (:meth:`OutTransfer.probe_answered`): originals still arriving end the round (a spurious
         timeout); a probe arriving alone means what was sent before it on its path is lost.
-        When neither shows by the next timeout, the late chunks are lost, declared as before;
-        a dead path is left then, as resends take healthy paths.
+        When neither shows by the next timeout, the late chunks are declared lost; a dead path
+        is left then, as resends take healthy paths.
         """
         if t.probe_at == np.inf:
-            # Lost at once, as before: what the loss bound lets go (nothing to resend), and
+            # Lost at once: what the loss bound lets go (nothing to resend), and
             # what a chunk sent later overtook on any lane (its ACK came: the peer reads).
             gone = np.union1d(t.tolerable(late), t.overtaken(late))
             if gone.size:
@@ -665,7 +658,7 @@ class SenderCore:
         per_path = np.zeros(self._n_paths, dtype=np.int64)
         bounds = np.empty(fit + 1, dtype=np.int64)
         # State, send times, paths, transmission counts, per-class and per-path counters, and
-        # the class stretches, in one compiled pass (was ~15 NumPy operations per batch).
+        # the class stretches, in one compiled pass (not a dozen NumPy operations per batch).
         total, n_runs = note_sent(
             t.state, t.sent_at, t.path, t.tx, t.prio, t.lengths, chunks, paths, n_retx, now,
             st.sent, st.retransmitted, per_path, bounds,

@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-:class:`DaemonClient` offers the same ``submit/stats/close`` as the embedded engine (the DDP
-hook's ``Plane`` protocol). One I/O thread owns a ZeroMQ DEALER connected to the daemon's
+:class:`DaemonPlane` offers the same ``submit/stats/drain/close`` as the embedded planes (it is
+a :class:`~gradlane.transport.drivers.plane.Plane`). One I/O thread owns a ZeroMQ DEALER
+connected to the daemon's
 ``ipc://`` socket, a monitor of that socket and a wake-up pipe. ``submit`` only queues the
 request and returns a Future; the I/O thread copies the bucket into one of this rank's
 shared-memory segments (created here, mode 0600, named under the prefix the daemon assigned),
@@ -42,24 +43,23 @@ from typing import Any
 import numpy as np
 import zmq
 from gradlane.transport.core.collective import from_f32, to_f32, wire_view
-from gradlane.transport.core.events import CollectiveReport
 from gradlane.transport.daemon import messages as ipc
 from gradlane.transport.daemon.shm import Segment
+from gradlane.transport.drivers.futures import CollectiveRequest, CollectiveResult
 from gradlane.transport.drivers.waker import Waker
 from gradlane.transport.errors import ConfigError, GradlaneError, TransferFailed
 from gradlane.transport.wire.header import ITEMSIZE, DType
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["DaemonClient", "DaemonUnavailable"]
+__all__ = ["DaemonPlane", "DaemonUnavailable"]
 
 log = logging.getLogger(__name__)
 
-Result = tuple[np.ndarray, CollectiveReport]
 #: Longest poll wait of the I/O thread (a close request is noticed within this).
 POLL_MS = 200
 #: How much longer than ``connect_timeout_s`` a trainer waits for a daemon that is alive (it
 #: holds its socket's lock) but has not answered yet: its first start on a host compiles the
-#: kernels first (~65 s of one core on the 2-core development machine).
+#: kernels first, which takes a minute or more on a small machine.
 STARTING_WAIT_S = 600.0
 
 
@@ -69,21 +69,28 @@ class DaemonUnavailable(GradlaneError):
 
 @dataclass
 class _Request:
-    fut: concurrent.futures.Future[Result]
-    step: int
-    bucket: int
-    data: np.ndarray  # wire words
-    dtype: int
-    layer_position: float
-    out: np.ndarray  # the caller's array that receives the result
+    """A submission as the I/O thread tracks it. ``spec.data`` holds the bucket's wire words
+    and ``spec.dtype`` their wire dtype; ``spec.out`` is the caller's array that receives the
+    result, ``out_wire`` the same memory as wire words."""
+
+    fut: concurrent.futures.Future[CollectiveResult]
+    spec: CollectiveRequest
     out_wire: np.ndarray
     deadline: float
     seg: list[Any] | None = None  # [Segment, busy]
-    scale: float = 1.0
-    pinned: bool = False
+
+    @property
+    def step(self) -> int:
+        """The collective's step."""
+        return self.spec.step
+
+    @property
+    def bucket(self) -> int:
+        """The collective's bucket."""
+        return self.spec.bucket
 
 
-class DaemonClient:
+class DaemonPlane:
     """This rank's connection to its host's daemon (see the module docstring).
 
     ``socket_path``: the daemon's ``ipc://`` socket file. ``local_rank``/``local_world``: this
@@ -136,7 +143,7 @@ class DaemonClient:
         self.counters = {"submitted": 0, "done": 0, "failed": 0, "reconnects": 0, "rejected": 0}
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def start(self) -> DaemonClient:
+    def start(self) -> DaemonPlane:
         """Connect and wait (at most ``connect_timeout_s``) for the daemon's WELCOME; a daemon
         that is alive but still starting is waited for up to ``start_wait_s`` more."""
         self._thread = threading.Thread(
@@ -147,7 +154,7 @@ class DaemonClient:
         starting = None if welcomed else ipc.daemon_pid(self.socket_path)
         if starting is not None:
             # It holds its socket's lock but has not answered: on a host's first start it
-            # compiles its kernels (about a minute on a 2-core machine) before it serves.
+            # compiles its kernels before it serves.
             log.info(
                 "rank %d: the gradlane daemon (pid %d) at %s is still starting; waiting up "
                 "to %.0f s more",
@@ -196,7 +203,7 @@ class DaemonClient:
             self._thread.join(10.0)
         self._waker.close()
 
-    def __enter__(self) -> DaemonClient:
+    def __enter__(self) -> DaemonPlane:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -212,18 +219,20 @@ class DaemonClient:
         dtype: int | None = None,
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
+        *,
         scale: float = 1.0,
         pinned: bool = False,
-    ) -> concurrent.futures.Future[Result]:
+    ) -> concurrent.futures.Future[CollectiveResult]:
         """All-reduce ``data`` through the daemon (sum over every rank of every host).
 
-        Same contract as :meth:`gradlane.transport.drivers.udp.plane.Engine.submit`; ``servers`` is
-        not offered in daemon mode (the daemons run the transpose all-reduce among themselves).
+        Same contract as :meth:`gradlane.transport.drivers.udp.plane.UdpPlane.submit`;
+        ``servers`` is not offered in daemon mode (the daemons run the transpose all-reduce
+        among themselves).
         ``scale`` is applied here as the bucket is copied into the shared segment (the same pass),
         before the sum: a float16 sum of scaled buckets does not overflow where the raw one could.
-        ``pinned`` reaches the daemon's engine (the bucket is pinned if any local rank says so).
+        ``pinned`` reaches the daemon's UDP plane (the bucket is pinned if any local rank says so).
         """
-        fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
+        fut: concurrent.futures.Future[CollectiveResult] = concurrent.futures.Future()
         try:
             if servers is not None:
                 raise ConfigError(
@@ -243,19 +252,11 @@ class DaemonClient:
         except (ValueError, GradlaneError) as e:
             fut.set_exception(e)
             return fut
-        req = _Request(
-            fut,
-            step,
-            bucket,
-            wire,
-            wdtype,
-            float(min(max(layer_position, 0.0), 1.0)),
-            out,
-            out_wire,
-            time.monotonic() + self.request_timeout_s,
-            scale=scale,
-            pinned=bool(pinned),
+        position = float(min(max(layer_position, 0.0), 1.0))
+        spec = CollectiveRequest(
+            step, bucket, wire, position, wdtype, out=out, scale=scale, pinned=bool(pinned)
         )
+        req = _Request(fut, spec, out_wire, time.monotonic() + self.request_timeout_s)
         with self._lock:
             if self._closed:
                 fut.set_exception(
@@ -409,13 +410,13 @@ class DaemonClient:
                 return
             try:
                 report = ipc.report_from_wire(msg["report"])
-                assert req.seg is not None
-                seg = req.seg[0]
-                np.copyto(req.out_wire, seg.array(req.data.dtype, req.data.shape[0]))
+                assert req.seg is not None and req.spec.out is not None
+                seg, wire = req.seg[0], req.spec.data
+                np.copyto(req.out_wire, seg.array(wire.dtype, wire.shape[0]))
             except (ipc.IpcError, GradlaneError) as e:
                 self._finish(req, error=TransferFailed(f"bad DONE from the daemon: {e}"))
                 return
-            self._finish(req, result=(req.out, report))
+            self._finish(req, result=(req.spec.out, report))
         elif kind == "REJECT":
             self.counters["rejected"] += 1
             text = (
@@ -436,16 +437,19 @@ class DaemonClient:
                 TransferFailed(f"step {req.step} bucket {req.bucket} is already being all-reduced")
             )
             return
-        nbytes = req.data.shape[0] * ITEMSIZE[req.dtype]
+        spec = req.spec
+        wire, wdtype = spec.data, spec.dtype
+        assert wdtype is not None  # submit() sets the wire dtype
+        nbytes = wire.shape[0] * ITEMSIZE[wdtype]
         try:
             req.seg = self._segment(req.bucket, max(nbytes, 1))
-            shared = req.seg[0].array(req.data.dtype, req.data.shape[0])
-            if req.scale == 1.0:
-                np.copyto(shared, req.data)
-            elif req.dtype == DType.F32:  # scaled as it is copied in: the same one pass
-                np.multiply(req.data, np.float32(req.scale), out=shared)
+            shared = req.seg[0].array(wire.dtype, wire.shape[0])
+            if spec.scale == 1.0:
+                np.copyto(shared, wire)
+            elif wdtype == DType.F32:  # scaled as it is copied in: the same one pass
+                np.multiply(wire, np.float32(spec.scale), out=shared)
             else:  # 16-bit words: scaled in float32 and rounded once, so the sum cannot overflow
-                from_f32(to_f32(req.data, req.dtype) * np.float32(req.scale), req.dtype, shared)
+                from_f32(to_f32(wire, wdtype) * np.float32(spec.scale), wdtype, shared)
             frames = ipc.encode(
                 "SUBMIT",
                 generation=self.generation,
@@ -453,10 +457,10 @@ class DaemonClient:
                 bucket=req.bucket,
                 shm=req.seg[0].name,
                 offset=0,
-                numel=int(req.data.shape[0]),
-                dtype=int(req.dtype),
-                layer_position=req.layer_position,
-                pinned=req.pinned,
+                numel=int(wire.shape[0]),
+                dtype=wdtype,
+                layer_position=spec.layer_position,
+                pinned=spec.pinned,
             )
             sock.send_multipart(frames, zmq.NOBLOCK)
         except (GradlaneError, zmq.ZMQError) as e:
@@ -491,7 +495,11 @@ class DaemonClient:
         return f"{self._prefix}b{bucket}.{index}-{next(self._serial)}"
 
     def _finish(
-        self, req: _Request, *, result: Result | None = None, error: BaseException | None = None
+        self,
+        req: _Request,
+        *,
+        result: CollectiveResult | None = None,
+        error: BaseException | None = None,
     ) -> None:
         self._inflight.pop((req.step, req.bucket), None)
         if req.seg is not None:

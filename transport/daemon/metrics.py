@@ -1,183 +1,162 @@
-"""Prometheus text exposition (format 0.0.4) for the daemon's counters, and its HTTP endpoint.
+"""The daemon's Prometheus metrics: their definitions, and the HTTP endpoint that serves them.
 
-A :class:`Registry` holds counters, gauges and histograms, each with optional labels; every
-update takes one lock (updates come from the daemon's loop and the engine's thread, reads from
-the HTTP thread). :class:`MetricsServer` serves ``GET /metrics`` on a local address from a
-stdlib ``ThreadingHTTPServer`` thread; :func:`fetch` and :func:`parse` are the client side that
-``gradlane stats`` uses.
+prometheus_client keeps the values (thread-safe: the daemon's loop thread updates them while
+the HTTP thread reads), renders the text exposition and provides the WSGI app. What is ours is
+the list of families, in a registry per daemon (never the process-wide default: one process
+may run several daemons, as the tests do), how a :class:`CollectiveReport` and the engine's
+statistics map onto them, and an endpoint the daemon can stop: prometheus_client's app on a
+wsgiref server whose :meth:`MetricsServer.close` frees the port.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-import re
 import threading
-import urllib.request
-from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from gradlane.transport.errors import ConfigError, GradlaneError
+from gradlane.transport.core.events import CollectiveReport
+from gradlane.transport.errors import ConfigError
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
-__all__ = ["LATENCY_BUCKETS_S", "MetricsServer", "Registry", "fetch", "parse"]
+__all__ = ["LATENCY_BUCKETS_S", "DaemonMetrics", "MetricsServer"]
 
 #: Step-latency histogram bounds (seconds): 1 ms to 10 s, roughly x2.5 apart.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
-Labels = tuple[tuple[str, str], ...]
-_INF = 'le="+Inf"'
 
 
-def _key(labels: dict[str, str]) -> Labels:
-    # A trailing underscore lets a label be named like a Python keyword: class_="0" -> class.
-    return tuple(sorted((k.rstrip("_"), v) for k, v in labels.items()))
+class DaemonMetrics:
+    """The daemon's metric families, in their own :attr:`registry`.
 
+    Unlabelled families are exposed from the start: ``gradlane_delivered_fraction`` is NaN (no
+    reading) until the first all-reduce, ``gradlane_delivered_fraction_min`` starts at 1.
+    """
 
-def _labels(labels: Labels, extra: str = "") -> str:
-    parts = [f'{k}="{_escape(v)}"' for k, v in labels]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+    def __init__(self, generation: int) -> None:
+        self.registry = r = CollectorRegistry()
+        self.step_latency = Histogram(
+            "gradlane_step_latency_seconds",
+            "first local submission to the all-reduced result, per (step, bucket)",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.collectives = Counter(
+            "gradlane_collectives_total", "all-reduces by outcome", ["outcome"], registry=r
+        )
+        self.delivered_fraction = Gauge(
+            "gradlane_delivered_fraction", "delivered fraction of the last all-reduce", registry=r
+        )
+        self.delivered_fraction_min = Gauge(
+            "gradlane_delivered_fraction_min", "smallest delivered fraction so far", registry=r
+        )
+        self.drops = Counter(
+            "gradlane_drops_total",
+            "chunks dropped, by priority class and reason",
+            ["class", "reason"],
+            registry=r,
+        )
+        self.retransmits = Counter(
+            "gradlane_retransmits_total",
+            "chunks retransmitted, by priority class",
+            ["class"],
+            registry=r,
+        )
+        self.path_bytes = Counter(
+            "gradlane_path_bytes_total", "bytes sent per path", ["path"], registry=r
+        )
+        self.path_rate = Gauge(
+            "gradlane_path_rate_bytes_per_second",
+            "estimated rate per peer and path",
+            ["peer", "path"],
+            registry=r,
+        )
+        self.path_loss = Gauge(
+            "gradlane_path_loss_ratio", "loss EWMA per peer and path", ["peer", "path"], registry=r
+        )
+        self.packets_rejected = Gauge(
+            "gradlane_packets_rejected",
+            "datagrams rejected, by reason (engine)",
+            ["reason"],
+            registry=r,
+        )
+        self.ipc_rejected = Counter(
+            "gradlane_ipc_rejected_total",
+            "IPC messages rejected, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.slot_timeouts = Counter(
+            "gradlane_slot_timeouts_total", "slots freed at their deadline", registry=r
+        )
+        self.local_ranks = Gauge("gradlane_local_ranks", "trainers connected", registry=r)
+        self.in_flight = Gauge(
+            "gradlane_collectives_in_flight", "inter-host all-reduces running", registry=r
+        )
+        self.generation = Gauge("gradlane_generation", "this daemon's generation", registry=r)
+        self.generation.set(generation)
+        self.delivered_fraction.set(math.nan)
+        self.delivered_fraction_min.set(1.0)
+        self._fraction_min = 1.0
 
+    def drop(self, reason: str, cls: str, n: float = 1.0) -> None:
+        """Count ``n`` chunks or elements dropped for ``reason`` in priority class ``cls``."""
+        self.drops.labels(cls, reason).inc(float(n))
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    def collective(self, report: CollectiveReport, latency_s: float) -> None:
+        """One finished all-reduce: its latency, outcome, delivered fraction, drops,
+        retransmissions and bytes per path."""
+        self.step_latency.observe(latency_s)
+        self.collectives.labels("degraded" if report.degraded else "ok").inc()
+        frac = report.delivered_fraction
+        self.delivered_fraction.set(frac)
+        if frac < self._fraction_min:  # only the loop thread writes: no race on the minimum
+            self._fraction_min = frac
+            self.delivered_fraction_min.set(frac)
+        s = report.sender
+        for c, n in enumerate(s.dropped):
+            if n:
+                self.drop("skipped_within_bound", str(c), n)
+        for c, n in enumerate(s.retransmitted):
+            if n:
+                self.retransmits.labels(str(c)).inc(float(n))
+        for p, n in enumerate(s.per_path_bytes):
+            if n:
+                self.path_bytes.labels(str(p)).inc(float(n))
+        missing = report.reduce.missing_elems + sum(g.missing_elems for g in report.gather)
+        if missing:
+            self.drop("missing_elements", "all", missing)
 
-
-def _num(x: float) -> str:
-    if math.isinf(x):
-        return "+Inf" if x > 0 else "-Inf"
-    return repr(float(x)) if not float(x).is_integer() else str(int(x))
-
-
-class _Family:
-    def __init__(self, name: str, kind: str, help_text: str) -> None:
-        if not _NAME.match(name):
-            raise ConfigError(f"metric name {name!r} is not a Prometheus name")
-        self.name, self.kind, self.help = name, kind, help_text
-        self.values: dict[Labels, Any] = {}
-
-
-class Registry:
-    """Metric families by name; :meth:`render` gives the text exposition.
-
-    Labels are keyword arguments; a trailing underscore is dropped (``class_="0"`` is the label
-    ``class``)."""
-
-    def __init__(self) -> None:
-        self._families: dict[str, _Family] = {}
-        self._lock = threading.Lock()
-
-    def _family(self, name: str, kind: str, help_text: str) -> _Family:
-        fam = self._families.get(name)
-        if fam is None:
-            fam = self._families[name] = _Family(name, kind, help_text)
-        elif fam.kind != kind:
-            raise ConfigError(f"metric {name} is a {fam.kind}, not a {kind}")
-        return fam
-
-    def declare(self, name: str, kind: str, help_text: str) -> None:
-        """Declare a family so it is listed (with HELP/TYPE) before its first sample."""
-        with self._lock:
-            self._family(name, kind, help_text)
-
-    def inc(self, name: str, value: float = 1.0, help_text: str = "", **labels: str) -> None:
-        """Add ``value`` (>= 0) to the counter ``name{labels}``."""
-        if value < 0:
-            raise ValueError(f"counter {name} cannot go down ({value})")
-        key = _key(labels)
-        with self._lock:
-            fam = self._family(name, "counter", help_text)
-            fam.values[key] = fam.values.get(key, 0.0) + value
-
-    def set(self, name: str, value: float, help_text: str = "", **labels: str) -> None:
-        """Set the gauge ``name{labels}``."""
-        key = _key(labels)
-        with self._lock:
-            self._family(name, "gauge", help_text).values[key] = float(value)
-
-    def observe(
-        self,
-        name: str,
-        value: float,
-        help_text: str = "",
-        buckets: Sequence[float] = LATENCY_BUCKETS_S,
-        **labels: str,
-    ) -> None:
-        """Record one observation in the histogram ``name{labels}``."""
-        key = _key(labels)
-        with self._lock:
-            fam = self._family(name, "histogram", help_text)
-            h = fam.values.get(key)
-            if h is None:
-                h = fam.values[key] = {
-                    "bounds": tuple(buckets),
-                    "counts": [0] * len(buckets),
-                    "sum": 0.0,
-                    "count": 0,
-                }
-            i = bisect.bisect_left(h["bounds"], value)
-            if i < len(h["counts"]):
-                h["counts"][i] += 1
-            h["sum"] += value
-            h["count"] += 1
+    def engine(self, stats: dict[str, Any]) -> None:
+        """The engine's reject counters and per-path rate and loss, from its ``stats()``."""
+        for reason, n in stats.get("rejected", {}).items():
+            self.packets_rejected.labels(reason).set(n)
+        for peer, snap in stats.get("paths", {}).items():
+            for p, (rate, loss) in enumerate(zip(snap["rate_Bps"], snap["loss"], strict=True)):
+                self.path_rate.labels(str(peer), str(p)).set(rate or 0.0)
+                self.path_loss.labels(str(peer), str(p)).set(loss or 0.0)
 
     def value(self, name: str, **labels: str) -> float:
-        """A counter's or gauge's current value (0 when never set): for tests and logs."""
-        with self._lock:
-            fam = self._families.get(name)
-            v = fam.values.get(_key(labels), 0.0) if fam else 0.0
-        return float(v["count"] if isinstance(v, dict) else v)
+        """A sample's current value (0 when it has none yet): for logs and tests."""
+        return self.registry.get_sample_value(name, labels) or 0.0
 
-    def render(self) -> str:
-        """The Prometheus text exposition of every family."""
-        out: list[str] = []
-        with self._lock:
-            for fam in self._families.values():
-                out.append(f"# HELP {fam.name} {fam.help or fam.name}")
-                out.append(f"# TYPE {fam.name} {fam.kind}")
-                for key, v in sorted(fam.values.items()):
-                    if fam.kind != "histogram":
-                        out.append(f"{fam.name}{_labels(key)} {_num(v)}")
-                        continue
-                    cum = 0
-                    for bound, n in zip(v["bounds"], v["counts"], strict=True):
-                        cum += n
-                        le = f'le="{_num(bound)}"'
-                        out.append(f"{fam.name}_bucket{_labels(key, le)} {cum}")
-                    out.append(f"{fam.name}_bucket{_labels(key, _INF)} {v['count']}")
-                    out.append(f"{fam.name}_sum{_labels(key)} {_num(v['sum'])}")
-                    out.append(f"{fam.name}_count{_labels(key)} {v['count']}")
-        return "\n".join(out) + "\n"
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scrapes are not worth a log line each
 
 
 class MetricsServer:
     """``GET /metrics`` of ``registry`` on ``(host, port)`` (port 0: any free one), in a thread."""
 
-    def __init__(self, registry: Registry, host: str = "127.0.0.1", port: int = 0) -> None:
-        reg = registry
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] not in ("/metrics", "/"):
-                    self.send_error(404, "only /metrics here")
-                    return
-                body = reg.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # scrapes are not worth a log line each
-
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> None:
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            self._server = make_server(
+                host, port, make_wsgi_app(registry), ThreadingWSGIServer, _QuietHandler
+            )
         except OSError as e:
             raise ConfigError(f"metrics endpoint {host}:{port}: {e.strerror}") from None
-        self._server.daemon_threads = True
+        #: The bound address: the actual port when 0 was asked.
         self.address: tuple[str, int] = self._server.server_address[:2]  # type: ignore[assignment]
         self._thread = threading.Thread(
             target=self._server.serve_forever,
@@ -193,33 +172,7 @@ class MetricsServer:
         return f"http://{self.address[0]}:{self.address[1]}/metrics"
 
     def close(self) -> None:
-        """Stop serving and join the thread."""
+        """Stop serving, free the port and join the thread."""
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5.0)
-
-
-def fetch(url: str, timeout_s: float = 5.0) -> str:
-    """The text served at ``url``; a :class:`GradlaneError` saying where when it cannot."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return str(r.read().decode())
-    except OSError as e:
-        raise GradlaneError(f"no gradlane metrics at {url}: {e}") from None
-
-
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)\Z")
-
-
-def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Samples ``(name, labels, value)`` of a text exposition (comments skipped)."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            raise GradlaneError(f"not a Prometheus sample line: {line!r}")
-        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        out.append((m.group(1), labels, float(m.group(3))))
-    return out

@@ -5,7 +5,7 @@ Theory of operation
 One daemon per host serves that host's trainer ranks over a ZeroMQ ROUTER on an ``ipc://``
 socket (file mode 0600: only this user's processes may connect) and runs the inter-host
 all-reduce among the job's daemons with its own
-:class:`~gradlane.transport.drivers.udp.plane.Engine` (host rank among ``hosts``). Tensors never
+:class:`~gradlane.transport.drivers.udp.plane.UdpPlane` (host rank among ``hosts``). Tensors never
 cross the socket: each trainer copies a bucket into its own shared-memory segment
 (:mod:`gradlane.transport.daemon.shm`) and sends a small JSON ``SUBMIT``
 (:mod:`gradlane.transport.daemon.messages`) naming it.
@@ -52,13 +52,12 @@ from typing import Any, ClassVar
 import numpy as np
 import zmq
 from gradlane.transport.core.collective import from_f32
-from gradlane.transport.core.events import CollectiveReport
 from gradlane.transport.daemon import messages as ipc
 from gradlane.transport.daemon.config import DaemonConfig
-from gradlane.transport.daemon.metrics import MetricsServer, Registry
+from gradlane.transport.daemon.metrics import DaemonMetrics, MetricsServer
 from gradlane.transport.daemon.shm import Segment, SegmentError, remove_prefix
 from gradlane.transport.drivers.peers import Rendezvous, StaticPeers
-from gradlane.transport.drivers.udp.plane import Engine
+from gradlane.transport.drivers.udp.plane import UdpPlane
 from gradlane.transport.drivers.waker import Waker
 from gradlane.transport.errors import GradlaneError
 from gradlane.transport.kernels import local_sum
@@ -127,15 +126,14 @@ class Daemon:
         self.generation = time.time_ns() // 1000
         self.prefix = f"gradlane-{cfg.job}-h{cfg.host_rank}-{self.generation:x}"
         self.endpoint = f"ipc://{cfg.socket_path}"
-        self.metrics = Registry()
-        self._declare_metrics()
+        self.metrics = DaemonMetrics(self.generation)
         # Kept for the daemon's life: host 0's TCPStore server lives in it, and the other
         # daemons may still be reading their peers' addresses from it.
         self._rendezvous = rendezvous
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router: zmq.Socket | None = None
         self._lock_fd: int | None = None
-        self._engine: Engine | None = None
+        self._engine: UdpPlane | None = None
         self._server: MetricsServer | None = None
         self._thread: threading.Thread | None = None
         self._waker = Waker()
@@ -170,7 +168,7 @@ class Daemon:
                 from gradlane.transport.daemon.config import parse_address  # noqa: PLC0415
 
                 host, port = parse_address(self.config.metrics)
-                self._server = MetricsServer(self.metrics, host, port)
+                self._server = MetricsServer(self.metrics.registry, host, port)
                 log.info("daemon host %d: metrics at %s", self.config.host_rank, self._server.url)
         except BaseException:
             self._cleanup()
@@ -257,7 +255,7 @@ class Daemon:
         rdv: Rendezvous | None = self._peers or self._rendezvous
         if rdv is None and cfg.hosts > 1:
             rdv = StaticPeers(cfg.peer_table())
-        eng = self._engine = Engine(
+        eng = self._engine = UdpPlane(
             cfg.host_rank, cfg.hosts, cfg.transport, local_addrs=self.bound or cfg.local_addrs()
         )
         self.bound = eng.start()
@@ -368,7 +366,7 @@ class Daemon:
             self._reject(identity, e.why, e.detail)
 
     def _reject(self, identity: bytes, why: str, detail: str) -> None:
-        self.metrics.inc("gradlane_ipc_rejected_total", reason=why)
+        self.metrics.ipc_rejected.labels(why).inc()
         log.warning("daemon: rejected an IPC message (%s): %s", why, detail)
         self._send(identity, "REJECT", reason=why, detail=detail)
 
@@ -426,7 +424,7 @@ class Daemon:
                 identity, lr, msg["rank"], msg["world"], msg["pid"], prefix
             )
             self._by_local[lr] = identity
-            self.metrics.set("gradlane_local_ranks", len(self._ranks), "trainers connected")
+            self.metrics.local_ranks.set(len(self._ranks))
             log.info(
                 "daemon: local rank %d (rank %d of %d, pid %d) connected",
                 lr,
@@ -477,7 +475,7 @@ class Daemon:
         for seg in r.segments.values():
             seg.close()
             seg.unlink()
-        self.metrics.set("gradlane_local_ranks", len(self._ranks), "trainers connected")
+        self.metrics.local_ranks.set(len(self._ranks))
 
     def _on_submit(self, identity: bytes, msg: dict[str, Any]) -> None:
         r = self._ranks.get(identity)
@@ -486,7 +484,7 @@ class Daemon:
         step, bucket = msg["step"], msg["bucket"]
         what = f"step {step} bucket {bucket}"
         if msg["generation"] != self.generation:
-            self.metrics.inc("gradlane_ipc_rejected_total", reason="stale_generation")
+            self.metrics.ipc_rejected.labels("stale_generation").inc()
             self._send(
                 identity,
                 "FAIL",
@@ -509,7 +507,7 @@ class Daemon:
             data = self._segment_view(r, msg)
         except (SegmentError, ipc.IpcError) as e:
             why = e.why if isinstance(e, ipc.IpcError) else "bad_segment"
-            self.metrics.inc("gradlane_ipc_rejected_total", reason=why)
+            self.metrics.ipc_rejected.labels(why).inc()
             self._fail_one(identity, step, bucket, f"{what}: {e}")
             return
         now = time.monotonic()
@@ -537,7 +535,7 @@ class Daemon:
                 f"rank {r.local_rank}, other ranks sent {slot.numel} x {DType(slot.dtype).name}",
             )
         if problem is not None:
-            self.metrics.inc("gradlane_ipc_rejected_total", reason=problem[0])
+            self.metrics.ipc_rejected.labels(problem[0]).inc()
             self._fail_one(identity, step, bucket, problem[1])
             return
         slot.arrived[r.local_rank] = (identity, data)
@@ -595,7 +593,7 @@ class Daemon:
             self._give(f32)
         slot.buffer = wire
         self._running += 1
-        self.metrics.set("gradlane_collectives_in_flight", self._running)
+        self.metrics.in_flight.set(self._running)
         eng = self._engine
         assert eng is not None
         fut = eng.submit(
@@ -628,12 +626,12 @@ class Daemon:
             slot, fut = self._done.popleft()
             self._slots.pop((slot.step, slot.bucket), None)
             self._running -= 1
-            self.metrics.set("gradlane_collectives_in_flight", self._running)
+            self.metrics.in_flight.set(self._running)
             now = time.monotonic()
             try:
                 result, report = fut.result()
             except Exception as e:
-                self.metrics.inc("gradlane_collectives_total", outcome="failed")
+                self.metrics.collectives.labels("failed").inc()
                 text = (
                     f"host {self.config.host_rank}'s inter-host all-reduce failed: "
                     f"{type(e).__name__}: {e}"
@@ -650,7 +648,7 @@ class Daemon:
                         bucket=slot.bucket,
                         report=ipc.report_to_wire(report),
                     )
-                self._observe(slot, report, now)
+                self.metrics.collective(report, now - slot.opened)
                 self._served += 1
             if slot.buffer is not None:
                 self._give(slot.buffer)
@@ -670,10 +668,8 @@ class Daemon:
                 for lr in missing
                 if (i := self._by_local.get(lr)) in self._ranks
             ]
-            self.metrics.inc(
-                "gradlane_slot_timeouts_total", help_text="slots freed at their deadline"
-            )
-            self.metrics.inc("gradlane_drops_total", 1.0, reason="local_rank_timeout", class_="all")
+            self.metrics.slot_timeouts.inc()
+            self.metrics.drop("local_rank_timeout", "all")
             text = (
                 f"local rank(s) {missing} (global rank(s) {ranks or 'unknown'}) did not submit "
                 f"step {slot.step} bucket {slot.bucket} to the gradlane daemon of host "
@@ -688,57 +684,6 @@ class Daemon:
         self._slots.clear()
 
     # -- statistics ------------------------------------------------------------------------------
-    def _declare_metrics(self) -> None:
-        m = self.metrics
-        m.declare(
-            "gradlane_step_latency_seconds",
-            "histogram",
-            "first local submission to the all-reduced result, per (step, bucket)",
-        )
-        m.declare("gradlane_collectives_total", "counter", "all-reduces by outcome")
-        m.declare(
-            "gradlane_delivered_fraction", "gauge", "delivered fraction of the last all-reduce"
-        )
-        m.declare("gradlane_delivered_fraction_min", "gauge", "smallest delivered fraction so far")
-        m.declare("gradlane_drops_total", "counter", "chunks dropped, by priority class and reason")
-        m.declare(
-            "gradlane_retransmits_total", "counter", "chunks retransmitted, by priority class"
-        )
-        m.declare("gradlane_path_bytes_total", "counter", "bytes sent per path")
-        m.declare(
-            "gradlane_path_rate_bytes_per_second", "gauge", "estimated rate per peer and path"
-        )
-        m.declare("gradlane_path_loss_ratio", "gauge", "loss EWMA per peer and path")
-        m.declare("gradlane_packets_rejected", "gauge", "datagrams rejected, by reason (engine)")
-        m.declare("gradlane_ipc_rejected_total", "counter", "IPC messages rejected, by reason")
-        m.declare("gradlane_slot_timeouts_total", "counter", "slots freed at their deadline")
-        m.declare("gradlane_local_ranks", "gauge", "trainers connected")
-        m.declare("gradlane_collectives_in_flight", "gauge", "inter-host all-reduces running")
-        m.set("gradlane_generation", float(self.generation), "this daemon's generation")
-        m.set("gradlane_delivered_fraction_min", 1.0)
-
-    def _observe(self, slot: _Slot, report: CollectiveReport, now: float) -> None:
-        m = self.metrics
-        m.observe("gradlane_step_latency_seconds", now - slot.opened)
-        m.inc("gradlane_collectives_total", outcome="degraded" if report.degraded else "ok")
-        frac = report.delivered_fraction
-        m.set("gradlane_delivered_fraction", frac)
-        if frac < m.value("gradlane_delivered_fraction_min"):
-            m.set("gradlane_delivered_fraction_min", frac)
-        s = report.sender
-        for c, n in enumerate(s.dropped):
-            if n:
-                m.inc("gradlane_drops_total", n, reason="skipped_within_bound", class_=str(c))
-        for c, n in enumerate(s.retransmitted):
-            if n:
-                m.inc("gradlane_retransmits_total", n, **{"class": str(c)})
-        for p, n in enumerate(s.per_path_bytes):
-            if n:
-                m.inc("gradlane_path_bytes_total", n, path=str(p))
-        missing = report.reduce.missing_elems + sum(g.missing_elems for g in report.gather)
-        if missing:
-            m.inc("gradlane_drops_total", missing, reason="missing_elements", class_="all")
-
     def _refresh_gauges(self) -> None:
         now = time.monotonic()
         if now - self._gauges_at < GAUGE_PERIOD_S or self._engine is None:
@@ -748,15 +693,7 @@ class Daemon:
             st = self._engine.stats()
         except (concurrent.futures.TimeoutError, RuntimeError):
             return
-        m = self.metrics
-        for reason, n in st.get("rejected", {}).items():
-            m.set("gradlane_packets_rejected", n, reason=reason)
-        for peer, snap in st.get("paths", {}).items():
-            for p, (rate, loss) in enumerate(zip(snap["rate_Bps"], snap["loss"], strict=True)):
-                m.set(
-                    "gradlane_path_rate_bytes_per_second", rate or 0.0, peer=str(peer), path=str(p)
-                )
-                m.set("gradlane_path_loss_ratio", loss or 0.0, peer=str(peer), path=str(p))
+        self.metrics.engine(st)
 
     def stats(self) -> dict[str, Any]:
         """A few counters for logs and tests (the full set is the Prometheus text)."""

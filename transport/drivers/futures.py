@@ -1,17 +1,20 @@
-"""The Futures of the collectives a driver has started, keyed by (step, bucket).
+"""The collectives a data plane was asked for, and the Futures of those it has started.
 
-Every driver of a sans-I/O :class:`~gradlane.transport.core.collective.TransposeAllReduce` (the UDP
-engine, the
-ZeroMQ plane) needs the same three steps at its edge (STYLE rule 6: futures only at the edge):
-start a collective for a caller's Future, resolve Futures from the core's events, and fail what
-is left when the driver stops or breaks. One implementation, so the drivers cannot drift apart.
+:class:`CollectiveRequest` is one ``submit`` call's arguments, as the planes pass them between
+threads. Every driver of a sans-I/O
+:class:`~gradlane.transport.core.collective.TransposeAllReduce` (the UDP plane, the ZeroMQ
+plane) needs the same three steps at its edge (STYLE rule 6: futures only at the edge): start a
+collective for a caller's Future, resolve Futures from the core's events, and fail what is left
+when the driver stops or breaks. :class:`PendingCollectives` is that one implementation, so the
+drivers cannot drift apart.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,9 +22,32 @@ from gradlane.transport.core.collective import TransposeAllReduce
 from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, CollectiveReport
 from gradlane.transport.errors import GradlaneError, TransferFailed
 
-__all__ = ["CollectiveResult", "PendingCollectives"]
+__all__ = ["CollectiveRequest", "CollectiveResult", "PendingCollectives"]
 
 CollectiveResult = tuple[np.ndarray, CollectiveReport]
+"""What a collective's Future resolves to: the result (the sum over ranks) and its report."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRequest:
+    """One all-reduce a caller asked a data plane for: the arguments of
+    :meth:`gradlane.transport.drivers.plane.Plane.submit`, as they travel to the plane's thread.
+
+    ``data`` is read (never written) until the collective ends; ``out`` receives the result
+    (it may be ``data``); ``servers`` makes it a parameter-server exchange; ``scale``
+    multiplies the result; ``pinned`` protects every chunk (see
+    :meth:`~gradlane.transport.core.collective.TransposeAllReduce.start`).
+    """
+
+    step: int
+    bucket: int
+    data: np.ndarray
+    layer_position: float = 0.5
+    dtype: int | None = None
+    servers: tuple[int, ...] | None = None
+    out: np.ndarray | None = None
+    scale: float = 1.0
+    pinned: bool = False
 
 
 class PendingCollectives:
@@ -47,43 +73,36 @@ class PendingCollectives:
         self,
         core: TransposeAllReduce,
         fut: Future[CollectiveResult],
-        step: int,
-        bucket: int,
-        data: np.ndarray,
-        layer_position: float,
-        dtype: int | None,
+        req: CollectiveRequest,
         now: float,
-        servers: Sequence[int] | None = None,
-        out: np.ndarray | None = None,
-        pinned: bool = False,
-        scale: float = 1.0,
     ) -> bool:
-        """Start one collective for ``fut``; a bad request fails its own Future, never the loop.
-
-        Returns True when the collective is running (its events will resolve ``fut``).
+        """Start ``req`` on ``core`` for ``fut``; a bad request fails its own Future, never the
+        loop. Returns True when the collective is running (its events will resolve ``fut``).
         """
         if not fut.set_running_or_notify_cancel():
             return False  # the caller cancelled it before the loop got to it
-        key = (step, bucket)
+        key = (req.step, req.bucket)
         with self._lock:
             if key in self._futures:
                 fut.set_exception(
-                    TransferFailed(f"step {step} bucket {bucket} is already being all-reduced")
+                    TransferFailed(
+                        f"step {req.step} bucket {req.bucket} is already being all-reduced"
+                    )
                 )
                 return False
             self._futures[key] = fut
         try:
             core.start(
-                step,
-                bucket,
-                data,
-                layer_position,
+                req.step,
+                req.bucket,
+                req.data,
+                req.layer_position,
                 now,
-                dtype=dtype,
-                pinned=pinned,
-                servers=servers,
-                out=out,
-                scale=scale,
+                dtype=req.dtype,
+                pinned=req.pinned,
+                servers=req.servers,
+                out=req.out,
+                scale=req.scale,
             )
         except (ValueError, TypeError, GradlaneError) as exc:
             with self._lock:

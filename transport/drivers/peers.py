@@ -34,7 +34,7 @@ class StaticPeers(Rendezvous):
     """A fixed table of per-rank, per-path addresses.
 
     ``peers`` is a mapping ``rank -> [(host, port), ...]`` or a sequence indexed by rank.
-    ``publish`` records (or overwrites) an entry, so engines that bound port 0 can share one
+    ``publish`` records (or overwrites) an entry, so planes that bound port 0 can share one
     table in-process.
     """
 

@@ -10,13 +10,14 @@ in memory that takes every path a real collective takes, and the UDP adapter's t
 ``tests/loopback/test_warm_up.py`` checks, in a fresh interpreter, that no real collective
 compiles anything after it.
 
-On a fresh install the compile takes ~65 s of one core (this machine). Ranks of one host
-start together (``torchrun``, the demo, the tests), and each would compile the same kernels
-side by side: four ranks on two cores took twice as long as one (measured when one took
-~30 s). So the first process to arrive takes a host-wide lock (``flock`` on a file in the
-temporary directory, named after this copy of the package) and compiles; the others wait
-for it, bounded, then load what it cached (~0.4 s), side by side. With a warm cache the first
-one only loads, and the wait is that long.
+On a fresh install the compile takes about a minute of one core. Ranks of one host start
+together (``torchrun``, the demo, the tests), and each would compile the same kernels side by
+side, sharing the cores: slower than one compile. So the first process to arrive takes a
+host-wide lock (``flock`` on a file in the temporary directory, named after this copy of the
+package) and compiles; the others wait for it, bounded, then load what it cached (well under a
+second), side by side. With a warm cache the first one only loads, and the others' wait is that
+short: a wait says that another process is compiling (INFO) only once it lasts
+:data:`QUIET_S`.
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ try:
 except ImportError:  # not POSIX: every process compiles for itself
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["WAIT_S", "lock_path", "warm_up"]
+__all__ = ["QUIET_S", "WAIT_S", "lock_path", "warm_up"]
 
 log = logging.getLogger(__name__)
 
 #: Longest wait for another process's compile before compiling here anyway.
 WAIT_S = 600.0
+#: A wait for the lock this long means its holder compiles (loading a warm cache is shorter).
+QUIET_S = 2.0
 _POLL_S = 0.05
 
 _warm: set[str] = set()  # what this process has compiled already
@@ -103,17 +106,26 @@ def _compile_turn(wait_s: float = WAIT_S) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("another process on this host is compiling gradlane's kernels; waiting")
-            deadline = time.monotonic() + wait_s
+            log.debug("another process on this host holds the warm-up lock; waiting")
+            started = time.monotonic()
+            said = False
             while True:  # polled, so that the wait is bounded
                 time.sleep(_POLL_S)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    if time.monotonic() < deadline:
-                        continue
-                    log.warning("waited %.0f s for another process's compile; compiling", wait_s)
-                    break
+                    waited = time.monotonic() - started
+                    if waited >= wait_s:
+                        log.warning(
+                            "waited %.1f s for another process's compile; compiling", waited
+                        )
+                        break
+                    if not said and waited >= QUIET_S:
+                        log.info(
+                            "another process on this host is compiling gradlane's kernels; waiting"
+                        )
+                        said = True
+                    continue
                 fcntl.flock(fd, fcntl.LOCK_UN)  # its turn is over: load side by side
                 break
         yield
@@ -125,10 +137,10 @@ def _warm_all_reduce() -> None:
     # Two paths, a clock that moves and lost first transmissions: the exchange then runs what a
     # real collective runs beyond its first pass (path spraying, ACK scans, RACK and timeout
     # recovery, path ticks). Reliable mode only: bounded mode runs the same kernels with the
-    # same types (23 signatures either way; the probe test's bounded collectives compile
-    # nothing more), so warming it too only doubled the start-up. A kernel it misses compiles
-    # inside the first real collective instead: with a cold cache that stalled one for 4.5 s
-    # while the peers' timers ran (measured; tests/loopback/test_warm_up.py guards coverage).
+    # same types (the probe test's bounded collectives compile nothing more), so warming it too
+    # would double the start-up for nothing. A kernel it misses compiles inside the first real
+    # collective instead, stalling it for seconds with a cold cache while the peers' timers run
+    # (tests/loopback/test_warm_up.py guards coverage).
     cfg = TransportConfig(
         n_paths=2,
         chunk_bytes=256,
@@ -195,7 +207,7 @@ def _warm_exchange(cfg: TransportConfig, dtype: int | None, data: np.ndarray) ->
                     ranks[dg.peer].receive_datagram(dg.wire(), dg.path, now)
             while (ev := r.next_event()) is not None:
                 done += isinstance(ev, AllReduceComplete | AllReduceFailed)
-        if done == 2 and not any(r.endpoint.sender.transfers for r in ranks):
+        if done == 2 and not any(r.owed() for r in ranks):
             break
         now += 1e-4
     if done != 2:  # a bug in the core: say so at start-up, not at the first collective

@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from gradlane.transport.kernels import _ack
 from gradlane.transport.kernels import _hadamard as _had
+from gradlane.transport.kernels import _local_sum as _sum
 from gradlane.transport.kernels import _pack as _pk
 from gradlane.transport.kernels import _receive as _rx
-from gradlane.transport.kernels import _local_sum as _sum
 from gradlane.transport.kernels._checks import (
     _NO_U8,
     _NO_U16,
@@ -81,6 +81,7 @@ __all__ = [
     "ChunkStats",
     "KernelConfig",
     "ReceivePlan",
+    "SentChunks",
     "apply_ack",
     "chunk_stats",
     "fill_headers",
@@ -102,29 +103,29 @@ def _template(header: Header, dtype: DType) -> np.ndarray:
     return header_template(_words_of(header, dtype))
 
 
-def _words_of(header: Header, dtype: DType) -> np.ndarray:
-    """:func:`header_words` of a :class:`Header` (its dtype replaced by ``dtype``)."""
-    return header_words(
-        header.kind, header.phase, dtype, header.job, header.step, header.bucket, header.shard,
-        header.src, header.dst,
-    )  # fmt: skip
+def header_words(header: Header) -> np.ndarray:
+    """Header u32 words 0..5 of a packet with ``header``'s kind, phase, dtype, job, step,
+    bucket, shard, src and dst (flags and prio zero; its other fields are not in these words),
+    each field checked against its width: what :func:`fill_headers` takes as ``words``."""
+    return _words_of(header, header.dtype)
 
 
-def header_words(
-    kind: int, phase: int, dtype: int, job: int, step: int, bucket: int, shard: int, src: int,
-    dst: int,
-) -> np.ndarray:  # fmt: skip
-    """Header u32 words 0..5 of a packet with these fields (flags and prio zero), each field
-    checked against its width: what :func:`fill_headers` takes as ``words``."""
+def _words_of(header: Header, dtype: int) -> np.ndarray:
+    """:func:`header_words` of ``header`` with its dtype replaced by ``dtype``."""
+    h = header
     t = np.zeros(6, dtype=np.uint32)
-    t[0] = MAGIC_VERSION_WORD | (_in_range("header.kind", kind, _U8_MAX) << 24)
-    t[1] = (int(dtype) << 16) | (_in_range("header.phase", phase, _U8_MAX) << 24)
-    t[2] = _in_range("header.job", job, _U32_MAX)
-    t[3] = _in_range("header.step", step, _U32_MAX)
-    t[4] = _in_range("header.bucket", bucket, _U16_MAX) | (
-        _in_range("header.shard", shard, _U16_MAX) << 16
+    t[0] = MAGIC_VERSION_WORD | (_in_range("header.kind", h.kind, _U8_MAX) << 24)
+    t[1] = (_in_range("header.dtype", dtype, _U8_MAX) << 16) | (
+        _in_range("header.phase", h.phase, _U8_MAX) << 24
     )
-    t[5] = _in_range("header.src", src, _U16_MAX) | (_in_range("header.dst", dst, _U16_MAX) << 16)
+    t[2] = _in_range("header.job", h.job, _U32_MAX)
+    t[3] = _in_range("header.step", h.step, _U32_MAX)
+    t[4] = _in_range("header.bucket", h.bucket, _U16_MAX) | (
+        _in_range("header.shard", h.shard, _U16_MAX) << 16
+    )
+    t[5] = _in_range("header.src", h.src, _U16_MAX) | (
+        _in_range("header.dst", h.dst, _U16_MAX) << 16
+    )
     return t
 
 
@@ -211,10 +212,10 @@ class ReceivePlan(NamedTuple):
     contrib: np.ndarray
     received: np.ndarray
     counters: np.ndarray
-    stats: ChunkStats  # per-chunk statistics of completed sums (F32 reduce; empty: off)
-    final: int  # the contributor count that completes a chunk
-    target_bits: np.ndarray  # the accumulator's u32 view (F32 reduce with stats)
-    scale: np.float32  # what a completed sum is multiplied by (F32 reduce with stats)
+    stats: ChunkStats = _NO_STATS  # per-chunk statistics of completed sums (F32 reduce; empty: off)
+    final: int = 0  # the contributor count that completes a chunk
+    target_bits: np.ndarray = _NO_U32  # the accumulator's u32 view (F32 reduce with stats)
+    scale: np.float32 = _ONE  # what a completed sum is multiplied by (F32 reduce with stats)
 
 
 def prepare_receive(
@@ -261,38 +262,49 @@ def prepare_receive(
         raise ValueError("scale applies to finished chunks: it needs stats")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    if not place:
+    if place:
+        out_a = _array("out", target, 1, writeable=True)
+        if out_a.dtype not in _OUT_DTYPES[wire] or out_a.shape != (transfer.n_elems,):
+            names = ", ".join(d.name for d in _OUT_DTYPES[wire])
+            raise ValueError(
+                f"out for {wire.name} must be one of ({names}) with shape ({transfer.n_elems},), "
+                f"got {out_a.dtype.name}{out_a.shape}"
+            )
+        tgt = out_a.view(np.uint32 if wire == DType.F32 else np.uint16)
+        con = _NO_U16  # optional in the gather phase
+        if contrib is not None:
+            con = _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
+    else:
         tgt = _typed("accum", target, np.float32, (transfer.n_elems,))
         assert contrib is not None
         con = _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
-        if stats is None:
-            return ReceivePlan(session, transfer, spec, k0, k1, False, tgt, con, recv, counters,
-                               _NO_STATS, 0, _NO_U32, _ONE)  # fmt: skip
-        shape = (transfer.n_chunks,)
-        if not 1 <= final <= _U16_MAX:
-            raise ValueError(f"final must be a contributor count in [1, {_U16_MAX}], got {final}")
-        if not tgt.flags.c_contiguous:
-            raise ValueError("accum must be C-contiguous to compute chunk statistics")
-        st = ChunkStats(
-            _typed("stats.norms", stats.norms, np.float32, shape, writeable=True),
-            _typed("stats.sum_a", stats.sum_a, np.uint64, shape, writeable=True),
-            _typed("stats.sum_b", stats.sum_b, np.uint64, shape, writeable=True),
-        )
-        return ReceivePlan(session, transfer, spec, k0, k1, False, tgt, con, recv, counters,
-                           st, final, tgt.view(np.uint32), np.float32(scale))  # fmt: skip
-    out_a = _array("out", target, 1, writeable=True)
-    if out_a.dtype not in _OUT_DTYPES[wire] or out_a.shape != (transfer.n_elems,):
-        names = ", ".join(d.name for d in _OUT_DTYPES[wire])
-        raise ValueError(
-            f"out for {wire.name} must be one of ({names}) with shape ({transfer.n_elems},), got "
-            f"{out_a.dtype.name}{out_a.shape}"
-        )
-    con = (
-        _NO_U16 if contrib is None else _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
+    plan = ReceivePlan(
+        session=session,
+        transfer=transfer,
+        spec=spec,
+        k0=k0,
+        k1=k1,
+        place=bool(place),
+        target=tgt,
+        contrib=con,
+        received=recv,
+        counters=counters,
     )
-    bits = out_a.view(np.uint32 if wire == DType.F32 else np.uint16)
-    return ReceivePlan(session, transfer, spec, k0, k1, True, bits, con, recv, counters,
-                       _NO_STATS, 0, _NO_U32, _ONE)  # fmt: skip
+    if stats is None:
+        return plan
+    shape = (transfer.n_chunks,)
+    if not 1 <= final <= _U16_MAX:
+        raise ValueError(f"final must be a contributor count in [1, {_U16_MAX}], got {final}")
+    if not tgt.flags.c_contiguous:
+        raise ValueError("accum must be C-contiguous to compute chunk statistics")
+    st = ChunkStats(
+        _typed("stats.norms", stats.norms, np.float32, shape, writeable=True),
+        _typed("stats.sum_a", stats.sum_a, np.uint64, shape, writeable=True),
+        _typed("stats.sum_b", stats.sum_b, np.uint64, shape, writeable=True),
+    )
+    return plan._replace(
+        stats=st, final=final, target_bits=tgt.view(np.uint32), scale=np.float32(scale)
+    )
 
 
 def receive_rows(
@@ -430,9 +442,10 @@ def reduce_into(
     """Validate a batch of received datagrams and add the good DATA payloads; returns accepted.
 
     The batch is every arena row, or the rows listed in ``rows``; ``lengths`` has one datagram
-    length per arena row. Each is checked exactly like ``packet.validate(data, session,
-    transfer)`` (same Reason, same order); a packet it accepts that is not DATA gets BAD_KIND (route
-    control packets elsewhere), and one whose ``received[src - transfer.src_lo, chunk]`` is set
+    length per arena row. Each is checked exactly like
+    :func:`~gradlane.transport.wire.header.validate` ``(data, session, transfer)`` (same Reason,
+    same order); a packet it accepts that is not DATA gets BAD_KIND (route control packets
+    elsewhere), and one whose ``received[src - transfer.src_lo, chunk]`` is set
     gets DUPLICATE. A good packet is added into ``accum`` (float32, ``transfer.n_elems``; f16/bf16
     converted) at ``chunk * chunk_elems``, ``contrib[chunk] += 1`` (uint16, one per chunk) and its
     ``received`` entry (uint8 or bool, ``(src_hi - src_lo, n_chunks)``) is set. ``counters``
@@ -523,9 +536,18 @@ def write_headers(
         return 0
     counts = chunk_counts(bits.shape[0], chunk_elems)
     fill_headers(
-        rows[:n_chunks], src, counts, stats, dtype=wire, words=_words_of(header, wire),
-        chunk_elems=chunk_elems, key=key, prio=prio_a, flags=flags_a, first_chunk=first,
-    )  # fmt: skip
+        rows[:n_chunks],
+        src,
+        counts,
+        stats,
+        dtype=wire,
+        words=_words_of(header, wire),
+        chunk_elems=chunk_elems,
+        key=key,
+        prio=prio_a,
+        flags=flags_a,
+        first_chunk=first,
+    )
     return n_chunks
 
 
@@ -552,7 +574,7 @@ def fill_headers(
     memory errors, which is why only the sender's own arrays come this way."""
     bits = _shard("src", src, dtype)
     itemsize = ITEMSIZE[dtype]
-    # Read-only, as write_headers always passed them: numba compiles (and caches) one
+    # Read-only, as write_headers passes them: numba compiles (and caches) one
     # specialisation per array writability, and the warm-up compiles this one.
     tmpl = header_template(words)
     tmpl.flags.writeable = False
@@ -663,26 +685,41 @@ class AckResult(NamedTuple):
     lost: np.ndarray
 
 
-#: (name, dtype) of apply_ack's per-chunk arrays, in argument order, then all its dtypes.
-_ACK_ARRAYS: tuple[tuple[str, np.dtype[Any]], ...] = (
-    ("state", np.dtype(np.uint8)),
-    ("tx", np.dtype(np.uint8)),
-    ("sent_at", np.dtype(np.float64)),
-    ("path", np.dtype(np.int16)),
-    ("prio", np.dtype(np.uint8)),
-    ("counts", np.dtype(np.int64)),
-    ("lengths", np.dtype(np.int32)),
+class SentChunks(NamedTuple):
+    """The per-chunk arrays of one outgoing transfer that :func:`apply_ack` reads (an
+    :class:`~gradlane.transport.core.outgoing.OutTransfer`'s): 1-D, one entry per chunk, any
+    strides; ``lengths`` may be longer than the others. ``state`` is written: chunks an ACK
+    newly acknowledges become ACKED."""
+
+    state: np.ndarray  # uint8 chunk states (outgoing.INFLIGHT, LOST, ACKED, ABANDONED)
+    tx: np.ndarray  # uint8 transmissions so far (1: the RTT sample is clean, Karn)
+    sent_at: np.ndarray  # float64 time of the last transmission
+    path: np.ndarray  # int16 path of the last transmission
+    prio: np.ndarray  # uint8 priority class
+    counts: np.ndarray  # int64 elements per chunk
+    lengths: np.ndarray  # int32 datagram length per chunk
+
+
+#: The dtype of each :class:`SentChunks` array, in field order, then the bitmap's.
+_ACK_DTYPES: tuple[np.dtype[Any], ...] = (
+    np.dtype(np.uint8),
+    np.dtype(np.uint8),
+    np.dtype(np.float64),
+    np.dtype(np.int16),
+    np.dtype(np.uint8),
+    np.dtype(np.int64),
+    np.dtype(np.int32),
+    np.dtype(np.bool_),
 )
-_ACK_DTYPES = (*(dt for _, dt in _ACK_ARRAYS), np.dtype(np.bool_))
 
 
 def _ack_arguments(
-    arrays: tuple[object, ...], bits: object, base: int, n_paths: int, n_classes: int
+    chunks: tuple[object, ...], bits: object, base: int, n_paths: int, n_classes: int
 ) -> None:
     """Raise the ValueError that says what is wrong with :func:`apply_ack`'s arguments."""
-    state = arrays[0]
+    state = chunks[0]
     n = state.shape[0] if isinstance(state, np.ndarray) and state.ndim == 1 else -1
-    for (name, dt), a in zip(_ACK_ARRAYS, arrays, strict=True):
+    for name, dt, a in zip(SentChunks._fields, _ACK_DTYPES, chunks, strict=False):
         if (
             not isinstance(a, np.ndarray)
             or a.dtype != dt
@@ -702,13 +739,7 @@ def _ack_arguments(
 
 
 def apply_ack(
-    state: np.ndarray,
-    tx: np.ndarray,
-    sent_at: np.ndarray,
-    path: np.ndarray,
-    prio: np.ndarray,
-    counts: np.ndarray,
-    lengths: np.ndarray,
+    chunks: SentChunks,
     bits: np.ndarray,
     *,
     base: int,
@@ -720,13 +751,13 @@ def apply_ack(
 ) -> AckResult:
     """Apply an ACK bitmap ``bits`` (bool, chunks ``base ..``) to one outgoing transfer.
 
-    The per-chunk arrays are an :class:`~gradlane.transport.core.outgoing.OutTransfer`'s, 1-D, any
-    strides (``state`` is written: newly acknowledged chunks become ACKED; ``lengths`` may be longer
-    than the others). Returns an :class:`AckResult`; the RACK scan uses lanes of ``n_paths`` ×
-    ``n_classes`` and ``reorder_window_s``. Raises ValueError on wrong dtypes, shapes, a
-    negative ``base``, or a chunk's path or class out of range.
+    ``chunks`` are the transfer's per-chunk arrays (:class:`SentChunks`; ``state`` is written).
+    Returns an :class:`AckResult`; ``trigger`` is the chunk whose arrival sent the ACK, and the
+    RACK scan uses lanes of ``n_paths`` × ``n_classes`` and ``reorder_window_s``. Raises
+    ValueError on wrong dtypes, shapes, a negative ``base``, or a chunk's path or class out of
+    range.
     """
-    arrays = (state, tx, sent_at, path, prio, counts, lengths)
+    state, tx, sent_at, path, prio, counts, lengths = chunks
     try:  # one cheap test per ACK; _ack_arguments says what is wrong when it fails
         dtypes = (state.dtype, tx.dtype, sent_at.dtype, path.dtype, prio.dtype, counts.dtype)
         ok = (*dtypes, lengths.dtype, bits.dtype) == _ACK_DTYPES and (
@@ -742,7 +773,7 @@ def apply_ack(
     except AttributeError:
         ok = False
     if not ok:
-        _ack_arguments(arrays, bits, base, n_paths, n_classes)
+        _ack_arguments(chunks, bits, base, n_paths, n_classes)
     idx, sizes, rtt, paths, counted, n_lost, n_inflight, abandoned, first, pbytes, hit, lost = (
         _ack.ack_scan(
             state,
@@ -763,16 +794,16 @@ def apply_ack(
     )
     # int()/bool(): already Python scalars when compiled; numpy ones under NUMBA_DISABLE_JIT.
     return AckResult(
-        idx,
-        sizes,
-        rtt,
-        paths,
-        counted,
-        int(n_lost),
-        int(n_inflight),
-        int(abandoned),
-        bool(first),
-        pbytes,
-        hit,
-        lost,
+        idx=idx,
+        sizes=sizes,
+        rtt=rtt,
+        paths=paths,
+        counted=counted,
+        n_lost=int(n_lost),
+        n_inflight=int(n_inflight),
+        abandoned_elems=int(abandoned),
+        trigger_first=bool(first),
+        path_bytes=pbytes,
+        path_hit=hit,
+        lost=lost,
     )

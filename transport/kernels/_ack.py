@@ -1,11 +1,12 @@
-"""The array work of one ACK over one outgoing transfer, compiled (private; see ``kernels.ack``).
+"""The array work of one ACK over one outgoing transfer, compiled (private; see
+:func:`gradlane.transport.kernels.apply_ack`).
 
 Theory of operation
 -------------------
 An ACK bitmap touches a few dozen chunks of one transfer, and RACK then scans the whole transfer
-once. Written with numpy (``tests/support/naive.py`` keeps that formulation as the reference) it is
-~40 small-array operations per ACK, ~50–100 µs; here it is two passes over the bitmap and one
-over the transfer.
+once. Written with numpy (``tests/support/naive.py`` keeps that formulation as the reference) it
+takes some forty small-array operations per ACK, each paying interpreter and dispatch overhead;
+here it is two passes over the bitmap and one over the transfer.
 
 :func:`ack_scan` marks the newly acknowledged chunks (bit set, state INFLIGHT, LOST or
 ABANDONED) ACKED and returns, for the caller's Python side, everything it passes on:

@@ -13,7 +13,9 @@ Every uint64 expression here stays pure uint64: numba promotes ``uint64 ∘ int6
 silently.
 
 numba caches each kernel keyed by its own source file only: after editing a helper here, clear
-``transport/__pycache__/*.nb*`` (or touch the kernel modules) so kernels that inline it recompile.
+the ``*.nbi``/``*.nbc`` files in the ``__pycache__`` beside the kernel modules as imported (under
+the editable install, ``build/__editable__*/gradlane/transport/kernels/``), or touch the kernel
+modules, so kernels that inline it recompile.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def f16_to_f32(h: np.uint16) -> np.float32:
     Exponent and mantissa shifted into float32 position read as a float32 are the value scaled by
     2**-112 (subnormals included: they land on float32 subnormals), so one exact multiply by 2**112
     finishes it; inf and NaN (all-ones exponent) keep their payload. Arithmetic rather than a
-    65,536-entry table: no gather, so the loops that call it vectorise (~3x the table's speed).
+    65,536-entry table: no gather, so the loops that call it vectorise, which a lookup prevents.
     """
     x = _U32(h)
     sign = _U32((x & _U32(0x8000)) << _U32(16))
@@ -156,7 +158,7 @@ def fast_sums64(words64: np.ndarray, n_bytes: int) -> tuple[np.uint64, np.uint64
     ``n_bytes``; the buffer must extend to the next multiple of 8 (arena rows do). Word pair
     ``k`` holds u32 words ``2k`` (low half) and ``2k+1`` (high half), so
     ``Σ j·w = 2·Σ k·(lo + hi) + Σ hi``: one 64-bit multiply per pair instead of a widening and a
-    multiply per word (measured ~1.4x faster). The last, partial pair is masked to the message.
+    multiply per word. The last, partial pair is masked to the message.
     """
     a = _U64(0)
     a_hi = _U64(0)
@@ -259,8 +261,9 @@ def header_template(words: np.ndarray) -> np.ndarray:
 @njit(**EXACT)
 def _template(w: np.ndarray) -> np.ndarray:
     # Compiled: a transfer's header differs in its step from every earlier one, so the template
-    # is built once per transfer, and in Python its sums cost ~40 us. The sums of six u32 words
-    # (weights up to 6) stay far below 2^64: the u64 arithmetic is exact.
+    # is built once per transfer, on the send path, where Python integer sums would cost more
+    # than the header pass itself. The sums of six u32 words (weights up to 6) stay far below
+    # 2^64: the u64 arithmetic is exact.
     tmpl = np.zeros(5, dtype=np.uint64)
     a = _U64(0)
     b = _U64(0)
@@ -296,7 +299,7 @@ def finish_packet(
     ``tmpl`` is :func:`header_template`; flags, prio, chunk, count and norm are merged in here,
     aux is 0. ``pay_a``/``pay_b`` are the payload's fast-tag sums (indices from 0). The header's
     own sums come from registers, not from the row: reading u64 words back right after writing
-    them in other widths defeats store forwarding (measured ~30 ns a packet).
+    them in other widths defeats store forwarding, a stall on every packet.
     """
     fp = _U64(flags & 0xFF) | (_U64(prio & 0xFF) << _U64(8))  # bits 0..15 of header word 1
     chunk_w = _U64(chunk) & _LO32
@@ -329,8 +332,8 @@ def splitmix64(z: np.uint64) -> np.uint64:
 def copy_bytes(dst: np.ndarray, src: np.ndarray, a: int, k: int) -> None:
     """``dst[:k] = src[a : a + k]``, by 8-byte words when ``a`` is a multiple of 8 (the UDP GRO
     split's segments and the ZeroMQ batch frames' records are laid out so), the tail by bytes:
-    a byte loop with these run-time bounds was not vectorised and copied at ~1.5 GB/s, the
-    words at ~7."""
+    a byte loop with these run-time bounds does not vectorise, a word loop copies eight bytes a
+    step."""
     j = 0
     if a % 8 == 0:
         d64 = dst[: (dst.shape[0] // 8) * 8].view(np.uint64)

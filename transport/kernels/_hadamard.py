@@ -44,8 +44,8 @@ def fwht(blk: np.ndarray) -> None:
 
     Stages go two at a time (radix 4: half the passes over the block): stages 1+2 on groups of
     four neighbours, stages 4+8 on groups of sixteen at stride four, then the wide stages over
-    1-D slices that LLVM vectorises; a radix-2 stage finishes when log2(n) is odd. Measured on
-    25 MB (blocks of 1024): 6.7 ms for the transform against 12.8 ms stage by stage.
+    1-D slices that LLVM vectorises; a radix-2 stage finishes when log2(n) is odd. Each
+    pass loads and stores the whole block, so halving the passes nearly halves the time.
     """
     n = blk.shape[0]
     h = 1

@@ -13,8 +13,9 @@ DATA rows, the receiver's acknowledgement state follows them: per sender, the pa
 last ACK, the newest packet (the ACK's trigger, for the sender's RTT sample) and its path, when
 the ACK is due, and when the sender's first pass was seen to end (``Flags.PASS_END``).
 
-Each ran as one to two dozen NumPy operations per batch (a few microseconds of interpreter and
-dispatch overhead each, on a few dozen rows); one compiled pass costs about as much as one.
+Each is one compiled pass where NumPy would take one to two dozen operations per batch, each
+paying interpreter and dispatch overhead on a few dozen rows; the pass costs about as much as one
+of them.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ assert HEADER_DTYPE.fields is not None and HEADER_DTYPE.fields["tag"][1] == TAG_
 class HeaderFields(NamedTuple):
     """A header's fields as plain Python numbers (:data:`HEADER_DTYPE`'s order), made in one
     conversion (``HeaderFields._make(record.item())``): checking and dispatching a control
-    packet reads a dozen fields, which NumPy scalar accesses made several times dearer."""
+    packet reads a dozen fields, and Python ints are far cheaper to use than NumPy scalars."""
 
     magic: int
     version: int

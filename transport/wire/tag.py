@@ -10,12 +10,12 @@ Every packet ends its 48-byte header with a 64-bit ``tag``. The tag covers the *
   ``w_0 … w_{n-1}``; ``A = Σ w_i`` and ``B = Σ (i+1)·w_i`` (both mod 2^64), and
   ``tag = fmix64(A ^ rotl64(B, 32) ^ length·φ)`` with MurmurHash3's finaliser and φ the 64-bit
   golden ratio. It catches every single-word error and every swap of two different words, costs
-  one multiply-add per word, and vectorises, so the packing kernel computes it at copy speed.
+  one multiply-add per word, and vectorises, so the packing kernel computes it in its copy loop.
   It is a checksum, not a defence: anyone can recompute it.
 * **Keyed tag** (a job with a secret): SipHash-2-4 (Aumasson & Bernstein, 2012) of the same
   message under a 128-bit key derived from the secret with BLAKE2b. Packets of another job or
-  forged ones are rejected unless the sender knows the secret. It costs more (~1-2 GB/s/core),
-  which is the price of authentication.
+  forged ones are rejected unless the sender knows the secret. It costs more (two SipHash
+  rounds per 8 bytes, which do not vectorise), which is the price of authentication.
 
 The functions here are the definition: the numba kernels fuse the same arithmetic into their
 loops and the tests hold them to these functions.

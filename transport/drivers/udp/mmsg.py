@@ -1,10 +1,10 @@
 """Batched UDP system calls (Linux ``sendmmsg`` / ``recvmmsg``) for the UDP adapter.
 
-Why: on loopback a 64 KB datagram costs the kernel ~10 µs to send and ~8 µs to receive, and a
-Python loop of ``sendmsg`` / ``recv_into`` adds ~5 µs per datagram on each side (the call, its
-argument parsing and the bookkeeping around it) — a third on top of the kernel's own work. One
-``sendmmsg`` carries a whole run of datagrams (header row plus payload view each, gathered by the
-kernel, no copy in user space) and one ``recvmmsg`` fills many rows of the receive arena. The
+Why: a Python loop of ``sendmsg`` / ``recv_into`` adds, per datagram on each side, the call,
+its argument parsing and the bookkeeping around it: a large share on top of the kernel's own
+work, even for 64 KB datagrams on loopback. One ``sendmmsg`` carries a whole run of datagrams
+(header row plus payload view each, gathered by the kernel, no copy in user space) and one
+``recvmmsg`` fills many rows of the receive arena. The
 message and iovec tables are NumPy arrays (a small compiled pass appends a run's rows to its
 paths' tables); the calls go through ``ctypes``, which releases the GIL while the kernel works.
 Each message names its own destination and carries its own IP TOS as a control message
@@ -24,6 +24,7 @@ import os
 import socket
 import struct
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ __all__ = [
     "MSG_DTYPE",
     "GroTable",
     "RecvTable",
+    "RunRows",
     "SendBatch",
     "gro_enable",
     "gso_control",
@@ -170,13 +172,30 @@ def gso_supported(sock: socket.socket) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class RunRows:
+    """Where the datagrams of one run lie in memory, and the path of each (what
+    :meth:`SendBatch.append` lays out): datagram ``i`` is header row ``chunks[i]`` (rows of
+    ``header_bytes`` from address ``hdr_base``) followed by ``sizes[i]`` payload bytes at
+    address ``pay_base + starts[i]``, and leaves on local path ``paths[i]``. The arrays are
+    int64; the memory must stay alive until the batch is sent."""
+
+    hdr_base: int
+    header_bytes: int
+    chunks: np.ndarray
+    pay_base: int
+    starts: np.ndarray
+    sizes: np.ndarray
+    paths: np.ndarray
+
+
 class SendBatch:
     """Message and iovec tables for ``sendmmsg``, one per local path, that the runs of a whole
     sending pass are appended to: two iovecs per datagram (header row, payload view), and per
     message its own destination (``msg_name``) and its own IP TOS (an ``IP_TOS`` /
     ``IPV6_TCLASS`` control message). So one ``sendmmsg`` per path carries every peer's and
-    every priority class's datagrams of the pass, where a table per run needed one call per
-    (peer, class, path) — at 4 ranks × 1 MB, ~4 calls per collective and rank instead of ~20.
+    every priority class's datagrams of the pass: a few calls per collective, not one per
+    (peer, class, path).
 
     UDP GSO (Linux >= 4.18), on the paths whose ``gso`` flag is set: consecutive datagrams of
     one run on one path share one message — their iovecs in a row, a ``UDP_SEGMENT`` control
@@ -244,36 +263,30 @@ class SendBatch:
     def append(
         self,
         run_id: int,
-        hdr_base: int,
-        header_bytes: int,
-        chunks: np.ndarray,
-        pay_base: int,
-        starts: np.ndarray,
-        sizes: np.ndarray,
-        paths: np.ndarray,
+        rows: RunRows,
         names: np.ndarray,
         controls: np.ndarray,
         gso_controls: np.ndarray | None = None,
     ) -> bool:
-        """Lay out datagram ``i`` (header row ``chunks[i]`` of ``header_bytes`` at ``hdr_base``,
-        payload ``sizes[i]`` bytes at ``pay_base + starts[i]``) after the rows of its path
-        ``paths[i]``, each path's in run order, to the address ``names[q]`` (``(address,
-        length)`` of a ``struct sockaddr``, per path) with the control message ``controls[q]``
-        (``(address, length)``; per path, since its level follows the path's address family).
-        With ``gso_controls`` (per path, :func:`gso_control` of the run's TOS), datagrams of
-        this run share GSO messages on the paths whose :attr:`gso` flag is set.
+        """Lay out each datagram of ``rows`` after the rows of its path, each path's in run
+        order, to the address ``names[q]`` (``(address, length)`` of a ``struct sockaddr``, per
+        path) with the control message ``controls[q]`` (``(address, length)``; per path, since
+        its level follows the path's address family). With ``gso_controls`` (per path,
+        :func:`gso_control` of the run's TOS), datagrams of this run share GSO messages on the
+        paths whose :attr:`gso` flag is set. ``run_id`` names the run in :attr:`run`.
         False, and nothing laid out, when a path is outside ``0 .. n_paths - 1``."""
-        n = int(chunks.shape[0])
+        n = int(rows.chunks.shape[0])
         need = int(self.slots.max()) + n
         if need > self.capacity:
             self._grow(max(need, 2 * self.capacity))
         use_gso = gso_controls is not None and bool(self.gso.any())
         tpl = gso_controls if gso_controls is not None and use_gso else _NO_GSO
+        # A compiled kernel: positional arguments, as numba's nopython mode takes them.
         ok = _append(
             self._words, self.iov, self.order, self._rows, self.ctl, self.fill, self.slots,
-            self.nbytes, run_id, hdr_base, header_bytes, chunks, pay_base, starts, sizes, paths,
-            names, controls, self.gso if use_gso else _NO_PATHS, tpl, self._iov_base,
-            self._ctl_base,
+            self.nbytes, run_id, rows.hdr_base, rows.header_bytes, rows.chunks, rows.pay_base,
+            rows.starts, rows.sizes, rows.paths, names, controls,
+            self.gso if use_gso else _NO_PATHS, tpl, self._iov_base, self._ctl_base,
         )  # fmt: skip
         return bool(ok)
 
@@ -347,9 +360,7 @@ def _append(
     iov_base: int,
     ctl_base: int,
 ) -> bool:
-    # One pass to check, one to place. What this replaced per run — a counting sort into a
-    # table of its own, then a sendmmsg per path, per peer and per class — cost a system call
-    # and ~40 us of Python per (peer, class, path).
+    # One pass to check, one to place: no Python and no system call per (peer, class, path).
     n_paths = fill.shape[0]
     cap = order.shape[1]
     for i in range(chunks.shape[0]):
@@ -417,7 +428,7 @@ def warm_up() -> None:
     pairs = np.zeros((1, 2), dtype=np.uint64)
     # One signature whether a path has GSO or not (its flags and control areas are arrays of
     # the same types either way).
-    SendBatch(1, 1).append(0, 0, 1, z, 0, z, z, z, pairs, pairs)
+    SendBatch(1, 1).append(0, RunRows(0, 1, z, 0, z, z, z), pairs, pairs)
     # The GRO table's parser and splitter, with the endpoint arena's types.
     gro = GroTable(1)
     ones = np.ones(1, dtype=np.int64)

@@ -1,17 +1,27 @@
-"""The engine (ARCHITECTURE §6): an event loop on its own thread driving one rank's
+"""The UDP data plane (ARCHITECTURE §6): an event loop on its own thread driving one rank's
 :class:`~gradlane.transport.core.collective.TransposeAllReduce` over real UDP sockets.
 
 Theory of operation
 -------------------
-The protocol core is sans-I/O; the engine is its driver, like aioquic's asyncio glue. All core
-calls happen on the loop thread. After every input (a read wakeup, the timer, a submitted
-bucket) the engine runs ``_service``: it sends ``datagrams_to_send(now)``, turns events into
-Future results, and re-arms the one loop timer from ``get_timer()``. ``now`` is always
-``time.monotonic()``; the loop's own clock is only used to place the timer.
+The protocol core is sans-I/O; :class:`UdpPlane` is its driver, like aioquic's asyncio glue,
+and uses only the core's public API. All core calls happen on the loop thread. After every
+input (a read wakeup, the timer, a submitted bucket) the plane runs ``_service``: it sends
+``datagrams_to_send(now)``, turns events into Future results, and re-arms the one loop timer
+from ``get_timer()``. ``now`` is always ``time.monotonic()``; the loop's own clock is only used
+to place the timer. The sockets (:class:`~gradlane.transport.drivers.udp.sockets.UdpPaths`)
+receive straight into the core's receive arena, many datagrams per system call.
 
-Other threads talk to the engine with :meth:`Engine.submit`, which returns a
+Other threads talk to the plane with :meth:`UdpPlane.submit`, which returns a
 ``concurrent.futures.Future`` resolved on the loop thread with ``(result, CollectiveReport)``,
-or failed with the transport's error (``PeerTimeout`` naming the late ranks).
+or failed with the transport's error (``PeerTimeout`` naming the late ranks). It is a
+:class:`~gradlane.transport.drivers.plane.Plane`.
+
+Receive taps
+------------
+``UdpPlane(rx_tap=...)`` puts a wrapper (:class:`RxTap`) between the sockets and the core's
+arena. :class:`InjectedLoss` is the one in use: tests and demos drop a seeded fraction of what
+a rank receives, because loopback never loses a datagram; everything after it runs as on a
+lossy network, on the real receive path.
 """
 
 from __future__ import annotations
@@ -23,20 +33,30 @@ import math
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import numpy as np
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.collective import TransposeAllReduce
-from gradlane.transport.core.endpoint import Endpoint
-from gradlane.transport.drivers.futures import CollectiveResult, PendingCollectives
+from gradlane.transport.drivers.futures import (
+    CollectiveRequest,
+    CollectiveResult,
+    PendingCollectives,
+)
 from gradlane.transport.drivers.peers import Address, Rendezvous
-from gradlane.transport.drivers.udp.sockets import UdpPaths, new_event_loop
+from gradlane.transport.drivers.udp.sockets import RxArena, UdpPaths, new_event_loop
 from gradlane.transport.drivers.warmup import warm_up
 from gradlane.transport.errors import ConfigError, TransferFailed
 
-__all__ = ["Engine", "default_local_addrs"]
+__all__ = [
+    "InjectedLoss",
+    "LossyArena",
+    "RxTap",
+    "TappedArena",
+    "UdpPlane",
+    "default_local_addrs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +64,8 @@ log = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 10.0
 #: How often the shutdown drain re-checks for unacknowledged outgoing transfers.
 DRAIN_POLL_S = 0.001
-
-Result = CollectiveResult
+#: Mixed into each rank's :class:`InjectedLoss` seed, apart from the core's own generator.
+_LOSS_STREAM = 0x10557
 
 
 def default_local_addrs(n_paths: int) -> list[Address]:
@@ -53,29 +73,48 @@ def default_local_addrs(n_paths: int) -> list[Address]:
     return [(f"127.0.0.{1 + p}", 0) for p in range(n_paths)]
 
 
-class _LossyArena:
-    """The endpoint's receive side behind ``TransportConfig.inject_loss`` (tests and demos): the
-    driver fills arena rows as always (``recvmmsg``, a GRO split, or one ``recv_into`` where
-    those are missing), then each datagram is dropped with probability ``rate`` (``rng``:
-    seeded per rank) before the endpoint sees it. The kept rows of a batch move down over the
-    dropped ones, in order, and only they are committed: the endpoint and everything after it
-    run exactly as on a lossy network."""
+class TappedArena(RxArena, Protocol):
+    """What an :class:`RxTap` puts in front of the core's arena: an arena the sockets fill and
+    commit to, with counters of its own for :meth:`UdpPlane.stats`."""
 
-    def __init__(self, endpoint: Endpoint, rate: float, rng: np.random.Generator) -> None:
-        self._ep = endpoint
+    def stats(self) -> dict[str, int]:
+        """Counters merged into the plane's stats (e.g. ``injected_drops``)."""
+        ...
+
+
+class RxTap(Protocol):
+    """A receive tap of :class:`UdpPlane`: wraps the core's receive arena once, when the plane
+    is made. The sockets then fill the rows of what :meth:`wrap` returns and commit them to
+    it; it commits what the core is to see. Tests and demos only (:class:`InjectedLoss`)."""
+
+    def wrap(self, arena: RxArena, rank: int) -> TappedArena:
+        """The arena the sockets use in place of ``arena`` (the core's) at rank ``rank``."""
+        ...
+
+
+class LossyArena:
+    """A receive arena that drops each datagram with probability ``rate`` (``rng``: seeded)
+    before ``arena`` sees it. The sockets fill its rows as always (``recvmmsg``, a GRO split,
+    or ``recv_into``); of each committed batch, the kept rows move down over the dropped ones,
+    in order, and only they are committed: the core and everything after it run exactly as
+    on a lossy network."""
+
+    def __init__(self, arena: RxArena, rate: float, rng: np.random.Generator) -> None:
+        self._arena = arena
         self._rate = rate
         self._rng = rng
         self.dropped = 0
+        """Datagrams dropped so far."""
 
     @property
     def rx_arena(self) -> np.ndarray:
-        """The endpoint's arena (see :class:`gradlane.transport.drivers.udp.sockets.RxArena`)."""
-        return self._ep.rx_arena
+        """The wrapped arena's rows."""
+        return self._arena.rx_arena
 
     @property
     def rx_free(self) -> int:
-        """The endpoint's first free row."""
-        return self._ep.rx_free
+        """The wrapped arena's first free row."""
+        return self._arena.rx_free
 
     def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
         """Drop a random part of the ``len(lengths)`` rows just filled; commit the rest."""
@@ -86,21 +125,44 @@ class _LossyArena:
             # Each moves down (fancy indexing reads them all before writing), only as wide as
             # the longest of them.
             d = int(np.argmax(moved))
-            first, rows = self._ep.rx_free, self._ep.rx_arena
+            first, rows = self._arena.rx_free, self._arena.rx_arena
             width = min(rows.shape[1], -(-int(lengths[keep[d:]].max()) // 8) * 8)
             rows[first + d : first + keep.shape[0], :width] = rows[first + keep[d:], :width]
-        self._ep.commit_datagrams(lengths[keep], path, now)
+        self._arena.commit_datagrams(lengths[keep], path, now)
 
-    def commit_datagram(self, nbytes: int, path: int, now: float) -> None:
-        """The one datagram just received into the endpoint's buffer: dropped, or committed."""
-        if self._rng.random() < self._rate:
-            self.dropped += 1
-        else:
-            self._ep.commit_datagram(nbytes, path, now)
+    def stats(self) -> dict[str, int]:
+        """``injected_drops``: the datagrams dropped so far."""
+        return {"injected_drops": self.dropped}
 
 
-class Engine:
-    """One rank's UDP transport: sockets, event loop thread and all-reduce core.
+@dataclass(frozen=True)
+class InjectedLoss:
+    """Tests and demos only: a :class:`UdpPlane` drops this fraction (``rate``) of the
+    datagrams it receives, at random, before the protocol sees them, so that loss shows on a
+    loopback that never loses. Rank ``r`` draws from ``np.random.default_rng([seed, r,
+    0x10557])``: the same seed drops the same datagrams of the same batches. Never on a real
+    network. Shared by every rank's plane; each gets an arena (:class:`LossyArena`) of its own.
+    """
+
+    rate: float
+    """The fraction of received datagrams dropped, in [0, 1)."""
+    seed: int = 0
+    """Seeds the drops (with the rank); the demo and bench pass the transport's ``seed``."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rate < 1.0:
+            raise ConfigError(
+                f"inject_loss rate={self.rate}: a fraction of datagrams in [0, 1) (0 = none)"
+            )
+
+    def wrap(self, arena: RxArena, rank: int) -> LossyArena:
+        """Rank ``rank``'s lossy arena in front of ``arena``."""
+        rng = np.random.default_rng([self.seed, rank, _LOSS_STREAM])
+        return LossyArena(arena, self.rate, rng)
+
+
+class UdpPlane:
+    """One rank's UDP data plane: sockets, event loop thread and all-reduce core.
 
     ``local_addrs`` are the local path addresses, one per ``config.n_paths`` (``(host, port)``
     or a bare host for port 0; default: 127.0.0.1, 127.0.0.2, ...). With a ``rendezvous``,
@@ -108,6 +170,8 @@ class Engine:
     :meth:`set_peers` after :meth:`start` (so tests can bind port 0, then exchange addresses).
 
     ``bufsize`` overrides ``config.socket_buffer_bytes`` (the sockets' buffer size).
+    ``rx_tap`` (tests and demos: :class:`InjectedLoss`) stands between the sockets and the
+    core's receive arena; its counters join :meth:`stats`.
 
     Use as a context manager, or call :meth:`close`; it fails in-flight Futures with
     :class:`TransferFailed`, closes the sockets and joins the thread.
@@ -122,6 +186,7 @@ class Engine:
         local_addrs: Sequence[Address | str] | None = None,
         *,
         bufsize: int | None = None,
+        rx_tap: RxTap | None = None,
     ) -> None:
         self.me = me
         self.world = world
@@ -136,22 +201,17 @@ class Engine:
                 f"n_paths={cfg.n_paths}: give one address per path"
             )
         self._rendezvous = rendezvous
-        self._core = TransposeAllReduce(me, world, cfg)
-        # Datagrams go straight into the endpoint's arena, many per system call (recvmmsg, or
-        # GRO): no forwarding call per datagram. Test/demo loss sits between the sockets and
-        # the endpoint on that same path, so what a lossy run measures is the real hot path.
-        endpoint = self._core.endpoint
-        self._lossy = (
-            _LossyArena(endpoint, cfg.inject_loss, np.random.default_rng([cfg.seed, me, 0x10557]))
-            if cfg.inject_loss > 0
-            else None
-        )
+        self._core = core = TransposeAllReduce(me, world, cfg)
+        # Datagrams go straight into the core's arena, many per system call (recvmmsg, or GRO):
+        # no forwarding call per datagram. A tap sits between the sockets and the core on that
+        # same path, so what a lossy test or demo measures is the real receive path.
+        self._tap = rx_tap.wrap(core, me) if rx_tap is not None else None
         self._udp = UdpPaths(
-            endpoint.rx_buffer,
-            (self._lossy or endpoint).commit_datagram,
+            None,
+            None,
             self._on_readable,
             bufsize=cfg.socket_buffer_bytes if bufsize is None else bufsize,
-            arena=self._lossy or endpoint,
+            arena=self._tap or core,
             gso=cfg.udp_gso,
             gro=cfg.udp_gro,
         )
@@ -162,7 +222,7 @@ class Engine:
         self._armed: float | None = None
         self._service_pending = False
         # Timer wakeups and the loop thread's CPU spent in them (stats()["loop"]): with the
-        # service passes they cause, that is the engine's cost when no datagram arrives.
+        # service passes they cause, that is the plane's cost when no datagram arrives.
         self._timer_passes = 0
         self._timer_cpu_s = 0.0
         self._closed = False  # no new work
@@ -175,13 +235,13 @@ class Engine:
     def start(self) -> list[Address]:
         """Start the loop thread and bind the sockets; returns the bound addresses per path.
 
-        Raises :class:`ConfigError` (e.g. a port in use, naming the address); the engine is then
+        Raises :class:`ConfigError` (e.g. a port in use, naming the address); the plane is then
         closed.
         """
         if self._thread is not None:
-            raise RuntimeError("engine already started")
+            raise RuntimeError("the UDP plane is already started")
         if self._closed:
-            raise RuntimeError("engine is closed")
+            raise RuntimeError("the UDP plane is closed")
         # Compile the kernels now, not inside the first collective's deadlines.
         warm_up(keyed=bool(self.config.secret), udp=True)
         loop = self._loop = new_event_loop()
@@ -214,7 +274,7 @@ class Engine:
         """Fail in-flight Futures, drain, close the sockets, stop the loop and join its thread.
 
         A rank completes a collective once it has *received* everything, while peers may still
-        lack some of what it sent; for up to ``drain_s`` the engine keeps serving until those
+        lack some of what it sent; for up to ``drain_s`` the plane keeps serving until those
         outgoing transfers are acknowledged, so a rank that closes right after its last step does
         not strand a peer until its hard deadline. Idempotent. Called on the loop thread (e.g.
         from a Future's done-callback), it only schedules the shutdown: a thread cannot join
@@ -236,37 +296,37 @@ class Engine:
                 fut = asyncio.run_coroutine_threadsafe(self._shutdown(drain_s), loop)
                 fut.result(CONTROL_TIMEOUT_S + drain_s)
             except concurrent.futures.TimeoutError:
-                log.error("rank %d: engine shutdown timed out; stopping the loop", self.me)
+                log.error("rank %d: UDP plane shutdown timed out; stopping the loop", self.me)
             except RuntimeError:  # the loop thread died (a bug): nothing left to shut down
-                log.error("rank %d: engine loop was already closed", self.me)
+                log.error("rank %d: UDP plane loop was already closed", self.me)
             if not loop.is_closed():
                 loop.call_soon_threadsafe(loop.stop)
         if not on_loop:
             thread.join(CONTROL_TIMEOUT_S)
             if thread.is_alive():
-                log.error("rank %d: engine thread did not stop", self.me)
+                log.error("rank %d: UDP plane thread did not stop", self.me)
 
     def drain(self, timeout_s: float = 2.0) -> bool:
         """Wait until peers have acknowledged what this rank sent them; True when nothing is owed.
 
         A rank completes a collective once it has *received* everything; a peer may still lack
-        some of what this rank sent (a lost datagram, a lost ACK or STOP). That peer's engine
+        some of what this rank sent (a lost datagram, a lost ACK or STOP). That peer's plane
         must be up to answer the resends. So at the end of a job call ``drain()`` on every rank,
-        then a barrier (``dist.barrier()``), then :meth:`close`: a rank that closed while a
-        peer still drained left that peer resending into silence until ``close``'s own bound
+        then a barrier (``dist.barrier()``), then :meth:`close`: a rank that closes while a
+        peer still drains leaves that peer resending into silence until ``close``'s own bound
         (2 s and a warning). Waits at most ``timeout_s``; collectives still in flight do not
-        count (their Futures are the caller's to wait on). Thread-safe; False on a closed engine
+        count (their Futures are the caller's to wait on). Thread-safe; False on a closed plane
         that still owed data.
         """
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive() or self._stopping:
             return not self._owes()  # not serving (or closing, whose own drain runs)
         if threading.current_thread() is thread:
-            raise RuntimeError("Engine.drain() waits on the engine's loop: not from its thread")
+            raise RuntimeError("UdpPlane.drain() waits on the plane's loop: not from its thread")
         fut = asyncio.run_coroutine_threadsafe(self._drain(timeout_s), loop)
         return bool(fut.result(max(timeout_s, 0.0) + CONTROL_TIMEOUT_S))
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> UdpPlane:
         if self._thread is None:
             self.start()
         return self
@@ -284,14 +344,15 @@ class Engine:
         dtype: int | None = None,
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
-        pinned: bool = False,
+        *,
         scale: float = 1.0,
-    ) -> concurrent.futures.Future[Result]:
+        pinned: bool = False,
+    ) -> concurrent.futures.Future[CollectiveResult]:
         """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``).
 
         Returns a Future of ``(result, CollectiveReport)``; the result is a new array (the SUM
-        over ranks). The engine reads ``data`` on its thread: do not modify it until the Future
-        is done. Errors (a bad bucket, a late peer, a closed engine) fail the Future.
+        over ranks). The plane reads ``data`` on its thread: do not modify it until the Future
+        is done. Errors (a bad bucket, a late peer, a closed plane) fail the Future.
         ``servers`` (ranks) makes it a parameter-server push/pull instead of the transpose
         all-reduce (see :meth:`TransposeAllReduce.start`); every rank passes the same list.
         ``out`` receives the result (it may be ``data``: in place, like ``dist.all_reduce``).
@@ -299,7 +360,11 @@ class Engine:
         ``PriorityConfig.pins``). ``scale`` multiplies the result (``1 / world`` for the mean),
         at no extra pass over the buffer (see :meth:`TransposeAllReduce.start`).
         """
-        fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
+        fut: concurrent.futures.Future[CollectiveResult] = concurrent.futures.Future()
+        srv = None if servers is None else tuple(servers)
+        req = CollectiveRequest(
+            step, bucket, data, layer_position, dtype, srv, out=out, scale=scale, pinned=pinned
+        )
         with self._lock:
             loop = self._loop
             if self._closed or loop is None:
@@ -308,22 +373,22 @@ class Engine:
                     TransferFailed(f"engine {state}: step {step} bucket {bucket} not submitted")
                 )
                 return fut
-            loop.call_soon_threadsafe(
-                self._start, fut, step, bucket, data, layer_position, dtype, servers, out, pinned,
-                scale,
-            )  # fmt: skip
+            loop.call_soon_threadsafe(self._start, fut, req)
         return fut
 
     def stats(self) -> dict[str, Any]:
         """The endpoint's reject counters and totals, the sockets' counters (``"udp"``), each
-        peer's path statistics (``"paths"``), and the loop thread's CPU seconds with the timer
-        wakeups' count and share (``"loop"``: ``cpu_s``, ``timer_passes``, ``timer_cpu_s``)."""
+        peer's path statistics (``"paths"``), the loop thread's CPU seconds with the timer
+        wakeups' count and share (``"loop"``: ``cpu_s``, ``timer_passes``, ``timer_cpu_s``),
+        and the receive tap's counters (``"injected_drops"``: 0 without a tap)."""
 
         def collect() -> dict[str, Any]:
-            out = dict(self._core.endpoint.stats())
+            out = dict(self._core.stats())
             out["udp"] = asdict(self._udp.counters)
             out["in_flight"] = self._core.in_flight
-            out["injected_drops"] = self._lossy.dropped if self._lossy is not None else 0
+            out["injected_drops"] = 0  # without a tap; an InjectedLoss tap sets its count
+            if self._tap is not None:
+                out.update(self._tap.stats())
             # The loop thread's CPU so far (this runs on it), and how much of it timer wakeups
             # took, with their count.
             on_loop = threading.current_thread() is self._thread
@@ -333,8 +398,7 @@ class Engine:
                 "timer_cpu_s": self._timer_cpu_s,
             }
             # Per peer, per path: state, rate, RTT, loss EWMA, sent/acked/lost bytes.
-            sender = self._core.endpoint.sender
-            out["paths"] = {peer: ps.snapshot() for peer, ps in sender.paths.items()}
+            out["paths"] = self._core.path_stats()
             return out
 
         return self._call(collect)
@@ -389,35 +453,18 @@ class Engine:
 
     def _owes(self, skip: set[tuple[int, int]] | None = None) -> bool:
         """Some outgoing transfer of a collective not in ``skip`` (None: of every completed
-        one) is neither acknowledged nor stopped. ``list()`` copies the keys in one step under
-        the GIL, so it may run off the loop thread while the loop changes them."""
+        one) is neither acknowledged nor stopped. May run off the loop thread (see
+        :meth:`TransposeAllReduce.owed`)."""
         running = self._pending.keys() if skip is None else skip
-        return any(
-            (k.step, k.bucket) not in running for k in list(self._core.endpoint.sender.transfers)
-        )
+        return bool(self._core.owed() - running)
 
     def _start(
-        self,
-        fut: concurrent.futures.Future[Result],
-        step: int,
-        bucket: int,
-        data: np.ndarray,
-        layer_position: float,
-        dtype: int | None,
-        servers: Sequence[int] | None,
-        out: np.ndarray | None,
-        pinned: bool = False,
-        scale: float = 1.0,
+        self, fut: concurrent.futures.Future[CollectiveResult], req: CollectiveRequest
     ) -> None:
         if self._closed:
-            fut.set_exception(TransferFailed(f"engine closed: step {step} bucket {bucket}"))
+            fut.set_exception(TransferFailed(f"engine closed: step {req.step} bucket {req.bucket}"))
             return
-        now = time.monotonic()
-        pending = self._pending
-        if pending.start(
-            self._core, fut, step, bucket, data, layer_position, dtype, now, servers, out, pinned,
-            scale,
-        ):  # fmt: skip
+        if self._pending.start(self._core, fut, req, time.monotonic()):
             self._service(send_first=True)
 
     def _on_readable(self) -> None:
@@ -454,7 +501,7 @@ class Engine:
 
     def _crashed(self, e: Exception) -> None:
         # A bug in the core must not leave callers waiting forever on their Futures.
-        log.exception("rank %d: engine failed", self.me)
+        log.exception("rank %d: UDP plane failed", self.me)
 
         def error(step: int, bucket: int) -> TransferFailed:
             err = TransferFailed(f"engine error during step {step} bucket {bucket}: {e!r}")
@@ -469,7 +516,7 @@ class Engine:
             # A collective just started: its first datagrams go on the wire before anything is
             # read or processed, since the peers wait on them, while a batch (read now, or
             # before the start) can mean a peer's whole shard to reduce and a gather phase to
-            # start first: at 2 x 1 MB that put a rank's first datagram ~1 ms after its start.
+            # start first, delaying them by as much.
             self._udp.send(core.datagrams_to_send(time.monotonic(), process_input=False))
         # Take in what has arrived first: acknowledgements free the window and are answered in
         # this same pass, so a rank sending at full speed still reads (and ACKs) promptly.

@@ -33,18 +33,18 @@ back into them; a path whose kernel refuses such a message (a device that cannot
 segment over the MTU) sends its datagrams one by one and stops using GSO.
 
 Receiving skips asyncio's datagram protocol: a reader callback on each receive socket reads
-straight into the driver's receive arena, up to ``READ_BURST`` datagrams per wakeup, with one
-clock reading per burst, then calls ``on_readable()`` once, so the driver processes and answers
-the whole batch together. On Linux, with an ``arena`` (the endpoint), one ``recvmmsg`` fills
-many arena rows and ``commit_datagrams`` takes their lengths at once; elsewhere ``recv_into``
-fills ``rx_buffer()`` and ``on_datagram(nbytes, path, now)`` commits it, one at a time — no
-``bytes`` object and no copy either way. Where datagrams are small enough to coalesce (at most
-4 KB) and the kernel has UDP GRO, a receive socket takes a peer's runs as coalesced messages
-into a small staging area (``_mmsg.GroTable``), and a compiled pass splits each into the
-arena's rows, one datagram per row as before.
-:meth:`UdpPaths.poll` does the same on demand: the engine drains its sockets before each send
-burst, so acknowledgements are processed (and sent) promptly while it is also sending at full
-speed.
+straight into the driver's receive arena (:class:`RxArena`: the core's ``rx_arena``,
+``rx_free``, ``commit_datagrams``), up to ``READ_BURST`` datagrams per wakeup, with one clock
+reading per burst, then calls ``on_readable()`` once, so the driver processes and answers the
+whole batch together. On Linux one ``recvmmsg`` fills many arena rows; elsewhere ``recv_into``
+fills one row per call; either way ``commit_datagrams`` takes the lengths of what one burst
+filled at once — no ``bytes`` object and no copy. Where datagrams are small enough to coalesce
+(at most 4 KB) and the kernel has UDP GRO, a receive socket takes a peer's runs as coalesced
+messages into a small staging area (``_mmsg.GroTable``), and a compiled pass splits each into
+the arena's rows, one datagram per row.
+:meth:`UdpPaths.poll` does the same on demand: the UDP plane drains its sockets before each
+send burst, so acknowledgements are processed (and sent) promptly while it is also sending at
+full speed.
 
 Socket buffers are set to ``bufsize`` (``TransportConfig.socket_buffer_bytes``); Linux caps them
 at ``net.core.rmem_max`` / ``wmem_max`` unless the process may use SO_RCVBUFFORCE (root or
@@ -75,18 +75,16 @@ __all__ = ["UdpCounters", "UdpPaths", "new_event_loop"]
 log = logging.getLogger(__name__)
 
 READ_BURST = 128
-"""Most datagrams read from one socket per wakeup (then the driver runs: ACKs go out). 128 rather
-than 64: fewer, larger batches through the core, whose cost is mostly per batch (paired runs:
-2 × 100 MB 105 → 99 ms and 4 × 100 MB 377 → 358 ms per all-reduce, user CPU −8%; 25 MB within
-the noise). Two paths' bursts (256 rows) still leave half the endpoint's 512-row arena free."""
+"""Most datagrams read from one socket per wakeup (then the driver runs: ACKs go out). Large
+enough for few, large batches through the core, whose cost is mostly per batch; two paths'
+bursts (256 rows) still leave half the endpoint's 512-row arena free."""
 GRO_MAX_ROW = 4096
 """Receive with UDP GRO only where the arena's rows (datagrams) are at most this wide."""
 MERGE_ROWS = 16
 """Runs of one ``send`` call are merged into one ``sendmmsg`` per path until they hold this many
-datagrams, then go out. Merging saves the system calls of small runs (4 ranks × 1 MB: ~20 calls
-per collective → ~4); merging large ones puts a pass's whole share of a path on its socket in
-one burst (2 ranks × 25 MB: ~100 datagrams, 6.5 MB), which measured slower than alternating
-the paths run by run: 37.1 → 33.8 ms per all-reduce, system time 35 → 31 ms (paired runs)."""
+datagrams, then go out. Merging saves the system calls of small runs (a handful per collective
+instead of one per run); merging without a limit would put a pass's whole share of a path on
+its socket in one burst, which is slower than alternating the paths run by run."""
 _MSG_TRUNC = int(getattr(socket, "MSG_TRUNC", 0))  # an int: enum members are slow in hot calls
 
 
@@ -105,7 +103,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 @dataclass
 class UdpCounters:
-    """Datagram and byte counts of one rank's sockets (for ``Engine.stats``)."""
+    """Datagram and byte counts of one rank's sockets (for ``UdpPlane.stats``)."""
 
     rx_datagrams: int = 0
     rx_bytes: int = 0
@@ -140,17 +138,24 @@ _GSO_REFUSED = (errno.EINVAL, errno.EIO, errno.EMSGSIZE, errno.ENOPROTOOPT, errn
 
 
 class RxArena(Protocol):
-    """A receive arena a driver fills several rows of per system call (``recvmmsg``): see
-    :class:`gradlane.transport.core.endpoint.Endpoint`'s ``rx_arena``, ``rx_free`` and
-    ``commit_datagrams``."""
+    """A receive arena the sockets fill several rows of per system call: the core's receive
+    side (:class:`gradlane.transport.core.endpoint.Endpoint`'s ``rx_arena``, ``rx_free`` and
+    ``commit_datagrams``), or a wrapper of it (``UdpPlane``'s ``rx_tap``)."""
 
     @property
-    def rx_arena(self) -> np.ndarray: ...
+    def rx_arena(self) -> np.ndarray:
+        """Rows of one datagram each; the free ones start at :attr:`rx_free`."""
+        ...
 
     @property
-    def rx_free(self) -> int: ...
+    def rx_free(self) -> int:
+        """The first free row of :attr:`rx_arena`."""
+        ...
 
-    def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None: ...
+    def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
+        """The ``len(lengths)`` rows from :attr:`rx_free` on hold datagrams of these real
+        lengths (longer than a row: truncated), received on ``path`` at ``now``."""
+        ...
 
 
 class _SendProtocol(asyncio.DatagramProtocol):
@@ -176,18 +181,19 @@ class UdpPaths:
     """The UDP sockets of one rank: one receive socket per local path address, plus one send
     socket per (path, TOS). All methods run on the event loop's thread.
 
-    ``rx_buffer()`` returns the writable buffer the next datagram is received into;
-    ``on_datagram(nbytes, path, now)`` commits it (``nbytes`` is the datagram's real length,
-    which exceeds the buffer's when it was truncated; ``now`` is ``time.monotonic()`` read once
-    per burst); ``on_readable()`` is called once per read wakeup, after its datagrams. With an
-    ``arena`` (and Linux's batched calls available) datagrams are instead received many per
-    system call straight into its rows, and committed together.
+    Received datagrams go into the rows of ``arena`` (the core's receive side, see
+    :class:`RxArena`), many per system call where Linux has ``recvmmsg``, and each burst's are
+    committed together (``now``: ``time.monotonic()`` read once per burst). ``on_readable()``
+    is called once per read wakeup, after its datagrams. Without an arena (a socket user with
+    no core behind it, e.g. a test), ``rx_buffer()`` gives the writable buffer each datagram
+    is received into and ``on_datagram(nbytes, path, now)`` takes it, one at a time
+    (``nbytes``: the real length, over the buffer's when truncated).
     """
 
     def __init__(
         self,
-        rx_buffer: Callable[[], memoryview],
-        on_datagram: Callable[[int, int, float], None],
+        rx_buffer: Callable[[], memoryview] | None,
+        on_datagram: Callable[[int, int, float], None] | None,
         on_readable: Callable[[], None],
         *,
         bufsize: int,
@@ -195,6 +201,8 @@ class UdpPaths:
         gso: bool = True,
         gro: bool = True,
     ) -> None:
+        if arena is None and (rx_buffer is None or on_datagram is None):
+            raise TypeError("UdpPaths needs an arena, or both rx_buffer and on_datagram")
         self._rx_buffer = rx_buffer
         self._gso = gso
         self._gro = gro
@@ -204,8 +212,12 @@ class UdpPaths:
         self._on_datagram = on_datagram
         self._on_readable = on_readable
         self._bufsize = bufsize
-        self._arena = arena if _mmsg.AVAILABLE else None
+        self._arena = arena
+        self._batched = _mmsg.AVAILABLE  # recvmmsg (read at creation, as tests switch it)
         self._rx_table: _mmsg.RecvTable | None = None
+        self._rx_views: list[memoryview] = []  # one per arena row, for recv_into
+        self._rx_views_of: np.ndarray | None = None  # the arena they are views of
+        self._rx_lengths = np.zeros(READ_BURST, dtype=np.int64)
         self._tx_batch: _mmsg.SendBatch | None = None  # made at open, one table per path
         self._main_fds: list[int] = []
         self._v6: list[bool] = []
@@ -347,8 +359,7 @@ class UdpPaths:
                 [_mmsg.gso_control(run.tos, v6) for v6 in self._v6]
             )
         hdr_addr, pay_addr = run.hdr_addr, run.payload_addr
-        return batch.append(
-            run_id,
+        rows = _mmsg.RunRows(
             hdr_addr if hdr_addr >= 0 else _mmsg.address_of(run.hdr),
             run.header_bytes,
             run.chunks,
@@ -356,10 +367,8 @@ class UdpPaths:
             run.starts,
             run.sizes,
             run.paths,
-            names,
-            controls,
-            gso,
         )
+        return batch.append(run_id, rows, names, controls, gso)
 
     def _send_batch(self, batch: _mmsg.SendBatch, runs: list[DatagramRun]) -> None:
         """One ``sendmmsg`` per path for the pass's runs: no Python per datagram."""
@@ -503,22 +512,29 @@ class UdpPaths:
 
     def _want_gro(self) -> bool:
         """GRO pays where datagrams are small (at most 4 KB: the arena's rows say how large they
-        come), 16 or more per coalesced message: with 1408-byte ones a loopback all-reduce
-        spent a third less CPU and time, with 4 KB ones about the same, with 8 KB ones it
-        took longer (the split's copy and the larger batches cost more than the kernel
-        saved), and with loopback's 65000-byte ones there is nothing to coalesce."""
+        come), 16 or more per coalesced message: with MTU-sized ones the kernel's saving is
+        large, around 4 KB it about equals the cost of the split's copy and the larger
+        batches, beyond that the copy costs more, and loopback's 65000-byte datagrams have
+        nothing to coalesce."""
         return (
-            self._gro and self._arena is not None and self._arena.rx_arena.shape[1] <= GRO_MAX_ROW
+            self._gro
+            and self._batched
+            and self._arena is not None
+            and self._arena.rx_arena.shape[1] <= GRO_MAX_ROW
         )
 
     def _read(self, sock: socket.socket, path: int) -> int:
         """Receive up to ``READ_BURST`` datagrams into the driver's arena; returns how many."""
-        if self._arena is not None:
+        arena = self._arena
+        if arena is not None:
+            if not self._batched:
+                return self._read_rows(sock, path, arena)
             if self._gro_paths[path]:
-                return self._read_gro(sock, path, self._arena)
-            return self._read_many(sock, path, self._arena)
+                return self._read_gro(sock, path, arena)
+            return self._read_many(sock, path, arena)
         c = self.counters
         rx_buffer, on_datagram = self._rx_buffer, self._on_datagram
+        assert rx_buffer is not None and on_datagram is not None
         now = time.monotonic()  # one reading per burst: the burst arrived together
         got = 0
         for _ in range(READ_BURST):
@@ -536,6 +552,42 @@ class UdpPaths:
             c.rx_datagrams += 1
             c.rx_bytes += n
             on_datagram(n, path, now)
+        return got
+
+    def _read_rows(self, sock: socket.socket, path: int, arena: RxArena) -> int:
+        """``_read`` where ``recvmmsg`` is missing: one ``recv_into`` per arena row, each
+        burst's rows committed together (as :meth:`_read_many` commits a call's)."""
+        rows = arena.rx_arena
+        views = self._rx_views
+        if self._rx_views_of is not rows:
+            views = self._rx_views = [row.data for row in rows]
+            self._rx_views_of = rows
+        lengths = self._rx_lengths
+        c = self.counters
+        now = time.monotonic()  # one reading per burst: the burst arrived together
+        got, n_rows, more = 0, rows.shape[0], True
+        while more and got < READ_BURST:
+            first = arena.rx_free
+            room = min(READ_BURST - got, n_rows - first)
+            k = 0
+            while k < room:
+                try:
+                    # MSG_TRUNC: the return value is the datagram's real length, so one that
+                    # did not fit is recognised (and counted by the core) as oversized.
+                    lengths[k] = sock.recv_into(views[first + k], 0, _MSG_TRUNC)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as e:  # e.g. an ICMP error queued on the socket: count, go on
+                    c.rx_errors += 1
+                    log.debug("path %d: receive error %s", path, e)
+                    break
+                k += 1
+            more = 0 < k == room  # every row filled: the socket may hold more
+            if k:
+                got += k
+                c.rx_datagrams += k
+                c.rx_bytes += int(lengths[:k].sum())
+                arena.commit_datagrams(lengths[:k], path, now)  # processes the arena when full
         return got
 
     def _read_many(self, sock: socket.socket, path: int, arena: RxArena) -> int:

@@ -3,16 +3,14 @@
 Theory of operation
 -------------------
 Over TCP, a ZeroMQ message costs the plane's loop a Python call, a ``zmq.Frame`` and a wake of
-ZeroMQ's I/O thread whatever its size. With one message per 64 KB packet a fifth of the
-plane's CPU samples were in the interpreter, and a 2 ranks × 25 MB all-reduce on loopback took
-1.22× the time it takes with batch frames (1.32× at 4 ranks; ``python -m
-gradlane.bench.perf.allreduce
---zmq-batch-compare``). So the sender packs each run of DATA packets for one (peer, path)
-into frames of up to :data:`BATCH_BYTES` (:func:`frame_bounds`, :func:`fill`), and the
-receiver splits a frame back into packets, one per row of the endpoint's receive arena, in
-one compiled pass (:func:`split`). Each packet is then validated exactly as if it had come
-alone; the frame adds framing, not trust. Control packets (ACK, NACK, …) still travel one
-per message.
+ZeroMQ's I/O thread whatever its size: with one message per 64 KB packet, much of the plane's
+CPU goes to the interpreter, and an all-reduce takes noticeably longer than with batch frames
+(``python -m gradlane.bench.perf.allreduce --zmq-batch-compare`` times both). So the sender
+packs each run of DATA packets for one (peer, path) into frames of up to :data:`BATCH_BYTES`
+(:func:`frame_bounds`, :func:`fill`), and the receiver splits a frame back into packets, one
+per row of the core's receive arena, in one compiled pass (:func:`split`). Each packet is then
+validated exactly as if it had come alone; the frame adds framing, not trust. Control packets
+(ACK, NACK, …) still travel one per message.
 
 Layout, little-endian: :data:`BATCH_MAGIC`, a u32 record count, then per record a u64 packet
 length, the packet, and zero padding to a multiple of 8 bytes (so every record starts on a

@@ -24,7 +24,7 @@ after the handshake (it also serves stats), so a late rank is always answered â€
 one-shot exchange could be lost to a peer that had already closed.
 
 ``[b"STATS", b""]`` is answered ``[b"STATS", json]`` with the dict of the server's
-``stats_source`` (typically :meth:`gradlane.transport.drivers.zmq.plane.ZmqDataPlane.stats`) plus
+``stats_source`` (typically :meth:`gradlane.transport.drivers.zmq.plane.ZmqPlane.stats`) plus
 the server's own counters. Stats requests are not authenticated: they expose counters, never data.
 """
 

@@ -2,26 +2,27 @@
 
 Theory of operation
 -------------------
-:class:`ZmqDataPlane` is a driver of the sans-I/O
-:class:`~gradlane.transport.core.collective.TransposeAllReduce`
-(the aioquic shape, STYLE rule 1), like the UDP engine, with ZeroMQ in place of datagrams:
+:class:`ZmqPlane` is a driver of the sans-I/O
+:class:`~gradlane.transport.core.collective.TransposeAllReduce` (the aioquic shape, STYLE rule
+1), like the UDP plane, with ZeroMQ in place of datagrams, and a
+:class:`~gradlane.transport.drivers.plane.Plane`:
 
 * every rank binds one PULL socket per path on its own endpoint (all peers fan in), and connects
   one PUSH socket per (peer, path) to the peers' endpoints. A frame carries gradlane packets,
   header and tag included, so the same validation runs as over UDP: a run of DATA packets for
   one (peer, path) travels as batch frames of up to 1 MiB
-  (:mod:`gradlane.transport.drivers.zmq.frames`; one
-  message per 64 KB packet took 1.22× / 1.32× the time at 2 / 4 ranks × 25 MB, interleaved:
-  ``gradlane.bench.perf.allreduce --zmq-batch-compare``), split back into the endpoint's arena rows
-  by one compiled pass; a control packet is one frame;
-* one thread runs a :class:`zmq.Poller` loop: it drains the PULL sockets into the endpoint's
-  batching arena (``recv(copy=False)``: each packet's bytes are copied into an arena row
-  once), runs ``handle_timer`` when ``get_timer()`` is due, sends ``datagrams_to_send(now)``
-  to ``dg.peer`` on path ``dg.path``, and turns ``next_event()`` into Future results. The
-  poll timeout is ``get_timer() - now``, so the loop sleeps when idle;
-* other threads talk to it through :meth:`ZmqDataPlane.submit`: a thread-safe queue plus a wake
+  (:mod:`gradlane.transport.drivers.zmq.frames`: far fewer messages than one per packet; ``python
+  -m gradlane.bench.perf.allreduce --zmq-batch-compare`` times both), split back into the
+  core's arena rows by one compiled pass; a control packet is one frame;
+* one thread runs a :class:`zmq.Poller` loop (:class:`_Loop`): it drains the PULL sockets into
+  the core's batching arena (``recv(copy=False)``: each packet's bytes are copied into an arena
+  row once), runs ``handle_timer`` when ``get_timer()`` is due, sends
+  ``datagrams_to_send(now)`` to ``dg.peer`` on path ``dg.path``, and turns ``next_event()``
+  into Future results. The poll timeout is ``get_timer() - now``, so the loop sleeps when idle;
+* other threads talk to it through :meth:`ZmqPlane.submit`: a thread-safe queue plus a wake
   message on an inproc PAIR socket (ZeroMQ sockets are not thread-safe, so only the loop thread
-  ever touches the data sockets).
+  ever touches the data sockets). What the callers and the loop share is one small object
+  (:class:`_Shared`) with its lock; the loop touches nothing else of the plane's.
 
 Large frames go out zero-copy (``send(memoryview, copy=False)``): a batch frame is a buffer of
 its own, filled from the caller's data, and the memoryview keeps it alive until ZeroMQ has sent
@@ -50,7 +51,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -60,12 +61,16 @@ from gradlane.scheduling.pacing import PacingConfig
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.collective import TransposeAllReduce
 from gradlane.transport.core.events import Datagram, DatagramRun
-from gradlane.transport.drivers.futures import CollectiveResult, PendingCollectives
+from gradlane.transport.drivers.futures import (
+    CollectiveRequest,
+    CollectiveResult,
+    PendingCollectives,
+)
 from gradlane.transport.drivers.warmup import warm_up
 from gradlane.transport.drivers.zmq import frames as zmq_batch
 from gradlane.transport.errors import ConfigError, TransferFailed
 
-__all__ = ["ZERO_COPY_MIN_BYTES", "ZmqDataPlane", "zmq_config"]
+__all__ = ["ZERO_COPY_MIN_BYTES", "ZmqPlane", "zmq_config"]
 
 log = logging.getLogger(__name__)
 
@@ -109,21 +114,49 @@ def zmq_config(**overrides: Any) -> TransportConfig:
     return TransportConfig(**base)
 
 
+#: A submitted collective on its way to the loop thread.
+_Job = tuple[CollectiveRequest, Future[CollectiveResult]]
+
+#: The plane's counters (``stats()``), all written by the loop thread.
+_COUNTERS = ("completed", "failed", "frames_in", "frames_out", "packets_in", "packets_out",
+             "bytes_in", "bytes_out", "backlogged", "bad_frames", "send_buffers")  # fmt: skip
+
+
 @dataclass
-class _Job:
-    step: int
-    bucket: int
-    data: np.ndarray
-    layer_position: float
-    dtype: int | None
-    future: Future[CollectiveResult]
-    servers: tuple[int, ...] | None = None
-    out: np.ndarray | None = None
-    scale: float = 1.0
-    pinned: bool = False
+class _Shared:
+    """What a :class:`ZmqPlane`'s callers and its loop thread share. ``lock`` guards
+    ``closed`` and ``fatal`` (and the plane's wake socket); ``counters`` and
+    ``endpoint_stats`` are written by the loop only and read from any thread (plain reads of
+    an int or a reference are atomic in CPython)."""
+
+    me: int
+    inbox: queue.SimpleQueue[_Job] = field(default_factory=queue.SimpleQueue)
+    pending: PendingCollectives = field(default_factory=PendingCollectives)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    endpoint_stats: dict[str, object] = field(default_factory=dict)
+    closed: bool = False
+    fatal: BaseException | None = None
+
+    def fail_pending(self, reason: str) -> None:
+        """Fail every queued or running collective (loop thread, or after it has exited)."""
+        with self.lock:
+            while True:
+                try:
+                    req, fut = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                self.pending.add(req.step, req.bucket, fut)
+        self.pending.fail_all(
+            lambda step, bucket: TransferFailed(
+                f"rank {self.me}: all-reduce of step {step} bucket {bucket} did not "
+                f"complete: {reason} while it was in flight"
+            )
+        )
 
 
-class ZmqDataPlane:
+class ZmqPlane:
     """One rank's reliable data plane over ZeroMQ, driving a :class:`TransposeAllReduce`.
 
     ``endpoints[r]`` is where rank r's PULL sockets listen: one string, or one string per path
@@ -132,9 +165,9 @@ class ZmqDataPlane:
     :meth:`close` fails in-flight Futures with :class:`TransferFailed` and closes every socket.
     ``hwm`` is the per-socket high-water mark in frames (of up to ``batch_bytes`` each, so
     ZeroMQ queues at most ``hwm × batch_bytes`` per socket; beyond it frames wait in the
-    loop's backlog until the socket drains). ``batch_bytes`` caps a batch
-    frame (:mod:`gradlane.transport.drivers.zmq.frames`); 0 sends one packet per frame, as before
-    batching (for comparisons: the receiver takes either kind).
+    loop's backlog until the socket drains). ``batch_bytes`` caps a batch frame
+    (:mod:`gradlane.transport.drivers.zmq.frames`); 0 sends one packet per frame (for
+    comparisons: the receiver takes either kind).
     """
 
     def __init__(
@@ -169,25 +202,15 @@ class ZmqDataPlane:
                 f"batch_bytes must be >= 0 (0: one packet per frame), got {batch_bytes}"
             )
         self.batch_bytes = batch_bytes
-        self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._pending = PendingCollectives()
-        self._wake_lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._shared = _Shared(me)
         self._thread: threading.Thread | None = None
-        self._closed = False
-        self._fatal: BaseException | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._wake_tx: zmq.Socket[bytes] | None = None
-        # Counters read by stats() from any thread (plain int reads are atomic in CPython).
-        self._n = {"completed": 0, "failed": 0, "frames_in": 0, "frames_out": 0,
-                   "packets_in": 0, "packets_out": 0, "bytes_in": 0, "bytes_out": 0,
-                   "backlogged": 0, "bad_frames": 0, "send_buffers": 0}  # fmt: skip
-        self._endpoint_stats: dict[str, object] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> ZmqDataPlane:
+    def start(self) -> ZmqPlane:
         """Bind, connect and start the loop thread (idempotent); returns ``self``."""
-        if self._closed:
+        if self._shared.closed:
             raise TransferFailed(f"rank {self.me}: the ZeroMQ data plane is closed")
         if self._thread is not None:
             return self
@@ -231,7 +254,7 @@ class ZmqDataPlane:
             self._ctx = None
             raise TransferFailed(f"rank {self.me}: cannot set up the ZeroMQ plane: {exc}") from exc
         self._wake_tx = wake_tx
-        loop = _Loop(self, pulls, pushes, wake_rx)
+        loop = _Loop(self._core, self._shared, pulls, pushes, wake_rx, self.batch_bytes)
         self._thread = threading.Thread(
             target=loop.run, name=f"gl-zmq-plane-{self.me}", daemon=True
         )
@@ -240,18 +263,19 @@ class ZmqDataPlane:
 
     def close(self) -> None:
         """Stop the loop, fail in-flight Futures with :class:`TransferFailed`, close all sockets."""
-        with self._wake_lock:
-            if self._closed:
+        shared = self._shared
+        with shared.lock:
+            if shared.closed:
                 return
             # Under the lock: a submit() either sees the plane closed or is in the inbox
             # before close() drains it, so no Future is ever left pending.
-            self._closed = True
-        self._stopping.set()
+            shared.closed = True
+        shared.stopping.set()
         if self._thread is not None:
             self._wake()
             self._thread.join()
-        self._fail_pending("the ZeroMQ data plane was closed")
-        with self._wake_lock:
+        shared.fail_pending("the ZeroMQ data plane was closed")
+        with shared.lock:
             if self._wake_tx is not None:
                 self._wake_tx.close(linger=0)
                 self._wake_tx = None
@@ -259,7 +283,7 @@ class ZmqDataPlane:
             self._ctx.term()
             self._ctx = None
 
-    def __enter__(self) -> ZmqDataPlane:
+    def __enter__(self) -> ZmqPlane:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -275,63 +299,52 @@ class ZmqDataPlane:
         dtype: int | None = None,
         servers: Sequence[int] | None = None,
         out: np.ndarray | None = None,
+        *,
         scale: float = 1.0,
         pinned: bool = False,
     ) -> Future[CollectiveResult]:
         """All-reduce ``data`` (1-D float32/float16, or raw 16-bit words with ``dtype``);
         ``servers`` makes it a parameter-server push/pull, ``out`` receives the result,
         ``scale`` multiplies it and ``pinned`` protects every chunk (all as
-        :meth:`Engine.submit`).
+        :meth:`gradlane.transport.drivers.udp.plane.UdpPlane.submit`).
 
         Thread-safe. The Future resolves to ``(sum over ranks, CollectiveReport)`` or fails with
-        the collective's error (:class:`TransferFailed` if the plane closes first). ``data`` must
-        not be modified until the Future resolves (the loop thread copies it when it starts).
+        the collective's error (:class:`TransferFailed` if the plane closes first). ``data`` is
+        read on the loop thread until the Future resolves: do not modify it before.
         """
         fut: Future[CollectiveResult] = Future()
-        with self._wake_lock:
-            if self._closed or self._thread is None or self._fatal is not None:
-                if self._fatal is not None:
-                    state = f"broken ({self._fatal!r})"
+        srv = None if servers is None else tuple(servers)
+        req = CollectiveRequest(
+            step, bucket, data, layer_position, dtype, srv, out=out, scale=scale, pinned=pinned
+        )
+        shared = self._shared
+        with shared.lock:
+            if shared.closed or self._thread is None or shared.fatal is not None:
+                if shared.fatal is not None:
+                    state = f"broken ({shared.fatal!r})"
                 else:
-                    state = "closed" if self._closed else "not started (call start())"
+                    state = "closed" if shared.closed else "not started (call start())"
                 fut.set_exception(
                     TransferFailed(f"rank {self.me}: the ZeroMQ data plane is {state}")
                 )
                 return fut
-            srv = None if servers is None else tuple(servers)
-            job = _Job(step, bucket, data, layer_position, dtype, fut, srv, out, scale, pinned)
-            self._inbox.put(job)
+            shared.inbox.put((req, fut))
         self._wake()
         return fut
 
     def drain(self, timeout_s: float = 2.0) -> bool:
         """Nothing to wait for: ZeroMQ delivers (and resends) queued frames itself, and a rank
         completes a collective only once every peer's frames of it arrived. Always True (the
-        :meth:`gradlane.transport.drivers.udp.plane.Engine.drain` of the reliable plane)."""
+        :meth:`gradlane.transport.drivers.udp.plane.UdpPlane.drain` of the reliable plane)."""
         return True
 
     def stats(self) -> dict[str, Any]:
         """Frame/byte counters and the endpoint's reject counters (thread-safe snapshot)."""
-        return {"rank": self.me, **dict(self._n), "endpoint": dict(self._endpoint_stats)}
-
-    def _fail_pending(self, reason: str) -> None:
-        """Fail every queued or running collective (loop thread, or after it has exited)."""
-        with self._wake_lock:
-            while True:
-                try:
-                    job = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                self._pending.add(job.step, job.bucket, job.future)
-        self._pending.fail_all(
-            lambda step, bucket: TransferFailed(
-                f"rank {self.me}: all-reduce of step {step} bucket {bucket} did not "
-                f"complete: {reason} while it was in flight"
-            )
-        )
+        shared = self._shared
+        return {"rank": self.me, **dict(shared.counters), "endpoint": dict(shared.endpoint_stats)}
 
     def _wake(self) -> None:
-        with self._wake_lock:
+        with self._shared.lock:
             if self._wake_tx is None:
                 return
             # Again means a wake is already queued, and one is enough.
@@ -343,8 +356,8 @@ class _SendBuffers:
     """Batch-frame buffers of ``nbytes``, reused once ZeroMQ has sent what they held.
 
     ZeroMQ sends a zero-copy frame later, from its I/O thread, so a buffer is free again only
-    when pyzmq's ``MessageTracker`` says so. A fresh 1 MiB buffer per frame instead cost a page
-    fault per 4 KB: two thirds of the plane's sending time at 2 ranks × 25 MB. At most ``keep``
+    when pyzmq's ``MessageTracker`` says so. Reusing them saves what a fresh 1 MiB buffer per
+    frame would cost: a page fault per 4 KB, most of the plane's sending time. At most ``keep``
     idle buffers are kept; a frame larger than ``nbytes`` (one oversized packet) gets its own.
     """
 
@@ -377,48 +390,54 @@ class _SendBuffers:
 
 
 class _Loop:
-    """The loop thread's state: only this thread touches the data sockets and the core."""
+    """The loop thread's state: only this thread touches the data sockets and the core; what
+    it shares with the plane's callers is ``shared``."""
 
     def __init__(
         self,
-        plane: ZmqDataPlane,
+        core: TransposeAllReduce,
+        shared: _Shared,
         pulls: list[zmq.Socket[bytes]],
         pushes: dict[tuple[int, int], zmq.Socket[bytes]],
         wake_rx: zmq.Socket[bytes],
+        batch_bytes: int,
     ) -> None:
-        self.plane = plane
-        self.core = plane._core
+        self.core = core
+        self.shared = shared
+        self.n = shared.counters
+        self.batch_bytes = batch_bytes
         self.pulls = pulls
         self.pushes = pushes
         self.wake_rx = wake_rx
         # Frames waiting for a full socket, in order, with the pooled buffer each one is in.
         self.backlog: dict[zmq.Socket[bytes], deque[tuple[bytes | memoryview, np.ndarray | None]]]
         self.backlog = {}
-        self.buffers = _SendBuffers(max(plane.batch_bytes, 1), plane._n)
+        self.buffers = _SendBuffers(max(batch_bytes, 1), shared.counters)
         # Packet lengths of one split call: one arena's worth of rows at most.
-        self.lengths = np.zeros(self.core.endpoint.rx_arena.shape[0], dtype=np.int64)
+        self.lengths = np.zeros(core.rx_arena.shape[0], dtype=np.int64)
         self.poller = zmq.Poller()
         for s in pulls:
             self.poller.register(s, zmq.POLLIN)
         self.poller.register(wake_rx, zmq.POLLIN)
 
     def run(self) -> None:
-        plane = self.plane
+        """Turn until the plane stops; a crash fails every Future and marks the plane broken."""
+        shared = self.shared
         try:
-            while not plane._stopping.is_set():
+            while not shared.stopping.is_set():
                 self._turn()
         except BaseException as exc:
             # A bug here must not hang callers: close() fails every Future with this cause.
-            log.exception("rank %s: ZeroMQ data plane loop crashed", plane.me)
-            with plane._wake_lock:
-                plane._fatal = exc
-            plane._fail_pending(f"the ZeroMQ data plane loop crashed ({exc!r})")
+            log.exception("rank %s: ZeroMQ data plane loop crashed", shared.me)
+            with shared.lock:
+                shared.fatal = exc
+            shared.fail_pending(f"the ZeroMQ data plane loop crashed ({exc!r})")
         finally:
             for s in (*self.pulls, *self.pushes.values(), self.wake_rx):
                 s.close(linger=0)
 
     def _turn(self) -> None:
-        core, n = self.core, self.plane._n
+        core, n = self.core, self.n
         timer = core.get_timer()
         timeout_ms: int | None = None
         if timer is not None:
@@ -463,28 +482,32 @@ class _Loop:
         self._deliver_events()
 
     def _receive_batch(self, buf: memoryview, path: int, now: float) -> None:
-        """Split a batch frame into the endpoint's arena rows (see
+        """Split a batch frame into the core's arena rows (see
         :mod:`gradlane.transport.drivers.zmq.frames`); a malformed frame keeps the packets before
         the fault and is counted."""
-        n, ep = self.plane._n, self.core.endpoint
+        n, core = self.n, self.core
         frame = np.frombuffer(buf, dtype=np.uint8)
         pos, got = zmq_batch.FRAME_HEADER, 0
         while True:
-            k, pos, state = zmq_batch.split(frame, pos, ep.rx_arena, ep.rx_free, self.lengths)
+            k, pos, state = zmq_batch.split(frame, pos, core.rx_arena, core.rx_free, self.lengths)
             if k:
-                ep.commit_datagrams(self.lengths[:k], path, now)  # processes a full arena
+                core.commit_datagrams(self.lengths[:k], path, now)  # processes a full arena
                 got += k
             if state != zmq_batch.SPLIT_ARENA_FULL or k == 0:  # k == 0: no room was made
                 break
         n["packets_in"] += got
         if state == zmq_batch.SPLIT_MALFORMED or got != zmq_batch.record_count(frame):
             n["bad_frames"] += 1
-            log.debug("rank %s path %d: malformed batch frame (%d records kept)",
-                      self.plane.me, path, got)  # fmt: skip
+            log.debug(
+                "rank %s path %d: malformed batch frame (%d records kept)",
+                self.shared.me,
+                path,
+                got,
+            )
 
     def _send_run(self, run: DatagramRun) -> None:
         """A run of DATA packets as batch frames, one series per path (ordered as in the run)."""
-        n, limit = self.plane._n, self.plane.batch_bytes
+        n, limit = self.n, self.batch_bytes
         if limit == 0:
             for dg in run:
                 self._send(dg)
@@ -501,33 +524,19 @@ class _Loop:
                 self._push(s, buf[:total].data, buf)  # the view keeps the buffer alive
 
     def _start_jobs(self, now: float) -> None:
-        plane = self.plane
+        shared = self.shared
         while True:
             try:
-                job = plane._inbox.get_nowait()
+                req, fut = shared.inbox.get_nowait()
             except queue.Empty:
                 return
-            started = plane._pending.start(
-                self.core,
-                job.future,
-                job.step,
-                job.bucket,
-                job.data,
-                job.layer_position,
-                job.dtype,
-                now,
-                job.servers,
-                job.out,
-                job.pinned,
-                scale=job.scale,
-            )
-            if started:
+            if shared.pending.start(self.core, fut, req, now):
                 # world == 1 completes inside start(); deliver it now rather than at the next wake.
                 self._deliver_events()
 
     def _send(self, dg: Datagram) -> None:
         s = self.pushes[(dg.peer, dg.path)]
-        n = self.plane._n
+        n = self.n
         # One frame per packet: a DATA packet's header and payload view are joined into an
         # owned buffer, which ZeroMQ may then send without another copy.
         data = dg.data if dg.payload is None else dg.wire()
@@ -550,7 +559,7 @@ class _Loop:
         except zmq.Again:
             self.backlog[s] = deque([(data, buf)])
             self.poller.register(s, zmq.POLLOUT)
-            self.plane._n["backlogged"] += 1
+            self.n["backlogged"] += 1
 
     def _send_now(
         self, s: zmq.Socket[bytes], data: bytes | memoryview, buf: np.ndarray | None
@@ -577,9 +586,9 @@ class _Loop:
         self.poller.unregister(s)
 
     def _deliver_events(self) -> None:
-        plane, n = self.plane, self.plane._n
-        completed, failed = plane._pending.deliver(self.core)
+        shared, n = self.shared, self.n
+        completed, failed = shared.pending.deliver(self.core)
         n["completed"] += completed
         n["failed"] += failed
         if completed or failed:
-            plane._endpoint_stats = self.core.endpoint.stats()
+            shared.endpoint_stats = self.core.stats()
