@@ -236,17 +236,17 @@ class Network:
         kind = "host" if s < n else "down" if d < n else "fabric"
         lid = len(self.links)
         spec = LinkSpec(
-            lid,
-            f"{self.nodes[s]}>{self.nodes[d]}",
-            s,
-            d,
-            float(rate),
-            float(delay),
-            int(queue_bytes),
-            priority,
-            float(loss),
-            float(jitter),
-            kind,
+            id=lid,
+            name=f"{self.nodes[s]}>{self.nodes[d]}",
+            src=s,
+            dst=d,
+            rate=float(rate),
+            delay=float(delay),
+            queue_bytes=int(queue_bytes),
+            priority=priority,
+            loss=float(loss),
+            jitter=float(jitter),
+            kind=kind,
         )
         self.links.append(spec)
         self._by_ends[(s, d)] = lid
