@@ -27,8 +27,9 @@ def test_every_package_folder_is_listed_under_its_gradlane_name():
         for init in (ROOT / top).rglob("__init__.py")
         if "__pycache__" not in init.parts
     }
+    data_only = {"gradlane.bench.replay.traces"}  # shipped data, no code
     assert found - listed == set(), "add these to [tool.setuptools] packages"
-    assert listed - found == set(), "these listed packages have no folder"
+    assert listed - found == data_only, "these listed packages have no folder"
 
 
 def test_the_only_top_level_name_is_gradlane():
