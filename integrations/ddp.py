@@ -35,11 +35,17 @@ position, whether it holds a pinned layer, staging buffer). Under ``join()`` ran
 out of data call the hook with zero buckets, so they keep counting the same steps as the
 others.
 
-GPU buckets go through a pinned host buffer per bucket: a non-blocking device-to-host copy and
-a CUDA event on the current stream, a staging thread that waits for the event (never the
-autograd thread) and submits, and, on completion, a non-blocking host-to-device copy on a side
-stream; the Future is created with the bucket's device, so DDP's wait orders its stream after
-that copy. The next step reuses the pinned buffer only after DDP has waited on this Future.
+GPU buckets go through a pinned host buffer per bucket (allocated once per bucket layout and
+reused every step): a non-blocking device-to-host copy and a CUDA event on the current stream
+(the one that wrote the bucket's gradients), a staging thread that waits for the event (never
+the autograd thread; a blocking-sync event, so it sleeps rather than spins a core through the
+backward pass) and submits, and, on completion, a non-blocking host-to-device copy on a side
+stream. The Future is created with the bucket's device and completed on that side stream, so
+its event covers the copy and DDP's wait orders its stream after it. The next step reuses the
+pinned buffer only after DDP has waited on this Future: its device-to-host copy is queued
+behind that wait. The staging and plane threads select the bucket's device before any CUDA
+call (a thread starts on device 0, and a rank on another device must not open a context
+there).
 
 In daemon mode (``mode="daemon"`` or ``GRADLANE_MODE=daemon``) the data plane is a
 :class:`~gradlane.transport.daemon.client.DaemonPlane`: the host's ``gradlane daemon`` sums the
@@ -513,23 +519,27 @@ class GradlaneState:
         if layout.staging is None:
             layout.staging = torch.empty(layout.numel, dtype=layout.dtype, pin_memory=True)
         host = layout.staging
+        # Both on the current stream of the bucket's device: the one the gradients were written
+        # on, so the copy follows them and the event follows the copy.
         host.copy_(buf, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(blocking=True)
         copied.record(torch.cuda.current_stream(buf.device))
         if self._stager is None:
             self._stager = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"gradlane-stage-r{self.rank}"
             )
         data = numpy_view(host)
+        device = buf.device
 
         def stage() -> None:  # staging thread: the autograd thread never waits on the GPU
             try:
-                copied.synchronize()
-                cf = self.plane.submit(
-                    key.step, key.bucket, data, layout.position, layout.wire, out=data,
-                    scale=self._scale, pinned=layout.pinned,
-                )  # fmt: skip
-                cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, host))
+                with torch.cuda.device(device):
+                    copied.synchronize()
+                    cf = self.plane.submit(
+                        key.step, key.bucket, data, layout.position, layout.wire, out=data,
+                        scale=self._scale, pinned=layout.pinned,
+                    )  # fmt: skip
+                    cf.add_done_callback(lambda cf: self._on_result(cf, key, data, buf, fut, host))
             except Exception as e:
                 self._complete(key, fut, error=e)
 
@@ -555,6 +565,7 @@ class GradlaneState:
             if result is not data:  # a plane that returned a new array
                 np.copyto(data, result)
             if host is not None:
+                # Completed on the side stream: the Future's event then covers the copy.
                 stream = self._h2d_stream(buf.device)
                 with torch.cuda.device(buf.device), torch.cuda.stream(stream):
                     buf.copy_(host, non_blocking=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from gradlane.bench.perf import ddp_step
 
 
@@ -41,3 +42,13 @@ def test_ddp_step_benchmark_writes_its_summary(tmp_path):
     eng = rows["udp"]["engine_per_step"]
     assert eng["cpu_s"] > 0 and eng["timer_passes"] > 0, eng
     assert rows["zmq"]["engine_per_step"] is None
+    # Communication against the no-op hook's step, and the planes' time in flight.
+    assert rows["noop"]["exposed_comm_s"] == 0.0
+    for v in ("udp", "zmq"):
+        assert rows[v]["plane_busy_s"] > 0 and rows[v]["exposed_comm_s"] is not None
+        assert 0.0 <= rows[v]["overlap_fraction"] <= 1.0
+    assert rows["floor"]["plane_busy_s"] is None  # not a gradlane plane
+    # What ran it; a CPU run's summary has none of the GPU run's keys.
+    assert doc["config"]["device"] == "cpu" and doc["config"]["model"] == "mlp"
+    assert doc["config"]["torch"] == torch.__version__
+    assert not any(k.startswith("gpu_") for k in doc["summary"])

@@ -1,24 +1,33 @@
-"""A DDP world of one in this process: the gloo group, a small seeded model, a hook state.
+"""DDP test helpers: a world of one in this process, and a data plane that records.
 
 A one-rank gloo group on a ``HashStore`` is enough for DDP to call communication hooks
 (buckets, the rebuild after the first backward, ``is_last``), and a one-rank data plane
-completes at once.
+completes at once. :class:`RecordingPlane` wraps a real plane (``state.plane = RecordingPlane(
+state.plane)``) to see what the hook hands it: the buffer of each bucket (for a GPU bucket, the
+hook's pinned staging buffer) and, on request, copies of the data and the result.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from gradlane.integrations.ddp import GradlaneState, HookConfig
 from gradlane.integrations.rendezvous import StoreRendezvous
 from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.events import CollectiveReport
+from gradlane.transport.drivers.futures import CollectiveResult
+from gradlane.transport.drivers.plane import Plane
 from torch import nn
 
-__all__ = ["hook_state", "one_rank_group", "tiny_model"]
+__all__ = ["RecordingPlane", "Submitted", "hook_state", "one_rank_group", "tiny_model"]
 
 
 @contextlib.contextmanager
@@ -49,3 +58,89 @@ def hook_state(store: dist.Store, **kw: Any) -> GradlaneState:
         rendezvous=StoreRendezvous(store),
         **kw,
     )
+
+
+@dataclass
+class Submitted:
+    """One collective a :class:`RecordingPlane` passed on."""
+
+    step: int
+    bucket: int
+    view: np.ndarray
+    """The array the hook submitted (the bucket's buffer, or its pinned staging buffer)."""
+    data: np.ndarray | None = None
+    """With ``keep``: a copy of ``view`` as submitted (this rank's contribution)."""
+    result: np.ndarray | None = None
+    """With ``keep``: a copy of the result, taken before the hook sees it."""
+    report: CollectiveReport | None = None
+    error: BaseException | None = None
+
+    @property
+    def address(self) -> int:
+        """Where the submitted buffer lives."""
+        return int(self.view.ctypes.data)
+
+
+class RecordingPlane:
+    """A real data plane, wrapped to record every collective the hook submits.
+
+    Its completion callback is added before the caller's, so it sees the result before the hook
+    writes it back. ``keep`` copies the submitted data and the result (memory: twice the
+    buckets per step); without it only the buffers' identities are kept.
+    """
+
+    def __init__(self, plane: Plane, *, keep: bool = False) -> None:
+        self.plane = plane
+        self.keep = keep
+        self.records: list[Submitted] = []
+        self._lock = threading.Lock()
+
+    def submit(
+        self,
+        step: int,
+        bucket: int,
+        data: np.ndarray,
+        layer_position: float = 0.5,
+        dtype: int | None = None,
+        servers: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
+        *,
+        scale: float = 1.0,
+        pinned: bool = False,
+    ) -> concurrent.futures.Future[CollectiveResult]:
+        """Record, then submit to the wrapped plane."""
+        rec = Submitted(step, bucket, data, data.copy() if self.keep else None)
+        with self._lock:
+            self.records.append(rec)
+        cf = self.plane.submit(
+            step, bucket, data, layer_position, dtype, servers, out, scale=scale, pinned=pinned
+        )
+        cf.add_done_callback(lambda f: self._done(rec, f))
+        return cf
+
+    def _done(self, rec: Submitted, f: concurrent.futures.Future[CollectiveResult]) -> None:
+        try:
+            result, report = f.result()
+        except BaseException as e:
+            rec.error = e
+            return
+        rec.report = report
+        if self.keep:
+            rec.result = np.array(result, copy=True)
+
+    def of_step(self, step: int) -> list[Submitted]:
+        """The step's collectives in bucket order."""
+        with self._lock:
+            return sorted((r for r in self.records if r.step == step), key=lambda r: r.bucket)
+
+    def stats(self) -> dict[str, Any]:
+        """The wrapped plane's."""
+        return self.plane.stats()
+
+    def drain(self, timeout_s: float = 2.0) -> bool:
+        """The wrapped plane's."""
+        return self.plane.drain(timeout_s)
+
+    def close(self) -> None:
+        """Close the wrapped plane."""
+        self.plane.close()
