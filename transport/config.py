@@ -78,7 +78,8 @@ class TransportConfig:
     saves copying, at the end of every collective, the part of the shard still in flight
     (half of it, typically). 0 copies at once."""
     linger_s: float = 2.0
-    """How long a finished transfer is remembered, to answer late packets with STOP."""
+    """How long a finished transfer is remembered, to answer late packets with STOP; never less
+    than ``loss.hard_deadline_s``, until which its sender may still ask."""
     early_buffer_bytes: int = 256 << 20
     """Bytes of packets for transfers not yet started locally that are held for later."""
     seed: int = 0

@@ -481,6 +481,45 @@ def test_fin_for_a_finished_transfer_is_answered_with_stop():
     assert wire.now - t_done < 1.0, f"senders retired {wire.now - t_done:.3f}s after completion"
 
 
+def test_a_finished_transfer_is_remembered_until_its_senders_hard_deadline():
+    """The receiver's STOPs and ACKs are lost for longer than ``linger_s`` after it completed
+    within the bound: the sender's backed-off probes and FINs then come after ``linger_s``. They
+    must still be answered with STOP, not held as early data of an unknown transfer (answered
+    HELD), or the sender keeps the transfer until its hard deadline and a closing plane warns
+    that it leaves data unacknowledged."""
+    world, n, silent_s = 2, 20000, 3.0
+    cfg = dict(
+        linger_s=2.0,
+        loss=LossConfig(
+            loss_bound=0.3, gather_loss_bound=0.3, soft_deadline_max_s=1.0, hard_deadline_s=20.0
+        ),
+        priority=PriorityConfig(protected_fraction=0.1, droppable_fraction=0.25),
+    )
+    eps = make(world, **cfg)
+    assert silent_s > eps[0].config.linger_s  # the case: silence outlasts the configured linger
+    rng = np.random.default_rng(5)
+    datas = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    quiet_until: dict[int, float] = {}
+
+    def drop(src, dg, q):
+        kind = kind_of(dg)
+        if kind == Kind.STOP and src not in quiet_until:
+            quiet_until[src] = wire.now + silent_s  # from the first STOP on, for silent_s
+        if kind in (Kind.STOP, Kind.ACK) and wire.now < quiet_until.get(src, -1.0):
+            return True
+        return kind == Kind.DATA and bool(header_of(dg)["flags"] & 16)  # DROPPABLE, always
+
+    wire = Wire(eps, drop=drop)
+    out = run_allreduce(eps, datas, wire)
+    assert all(out[r].report.delivered_fraction < 1.0 for r in range(world))
+    assert quiet_until
+    t_done = wire.now
+    wire.run(lambda: all(not ep.owed() for ep in eps), max_time=30.0)
+    # Settled by a STOP after the silence (a few backed-off RTOs), not by the 20 s deadline.
+    assert wire.now - t_done < 10.0, f"senders retired {wire.now - t_done:.3f}s after completion"
+    assert all(ep.endpoint.receiver.tombstones for ep in eps)  # still remembered then
+
+
 def test_buffers_are_released_at_completion_despite_zero_copy():
     """Payloads are sent straight from the caller's buffers, but once a rank's collective
     completes its input and result belong to the caller again: overwriting them must not change

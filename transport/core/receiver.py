@@ -35,9 +35,10 @@ deadline. A NACK sent once a drain followed the sender's newest
 arrival names that chunk, so the sender can tell a chunk sent before it (lost) from one sent
 after (maybe still on its way).
 
-A finished transfer is remembered for ``linger_s`` so late DATA is answered with STOP instead of
-being reduced twice. DATA for a transfer this rank has not started yet (a faster peer) is held,
-within ``early_buffer_bytes``, and replayed when it starts.
+A finished transfer is remembered for ``linger_s``, and never less than the hard deadline (its
+sender may ask until then), so late DATA is answered with STOP instead of being reduced twice.
+DATA for a transfer this rank has not started yet (a faster peer) is held, within
+``early_buffer_bytes``, and replayed when it starts.
 """
 
 from __future__ import annotations
@@ -199,6 +200,11 @@ class ReceiverCore:
         self.tos = control_tos
         self.transfers: dict[InKey, InTransfer] = {}
         self.tombstones: dict[InKey, float] = {}
+        # A finished transfer is remembered while its sender may still ask about it: a sender
+        # whose STOP was lost backs off its probes and FINs (up to 64 RTOs) and gives up only at
+        # its hard deadline. Forgotten sooner, a late probe would be held as early data and
+        # answered HELD, not STOP, and the sender would wait out its hard deadline.
+        self.linger_s = max(config.linger_s, config.loss.hard_deadline_s)
         # Held early DATA per transfer: rows of the endpoint's arena (pinned) or copies of them.
         self.early: dict[InKey, list[_Held]] = {}
         self.early_control: dict[InKey, list[tuple[bytes, int]]] = {}
@@ -449,7 +455,7 @@ class ReceiverCore:
         for t in self._ack_pending.values():
             best = min(best, float(t.ack_due.min()))
         if self.tombstones:
-            best = min(best, next(iter(self.tombstones.values())) + self.config.linger_s)
+            best = min(best, next(iter(self.tombstones.values())) + self.linger_s)
         return None if best == np.inf else float(best)
 
     def note_drained(self, now: float) -> None:
@@ -470,7 +476,7 @@ class ReceiverCore:
                 if not t.done:
                     self._refresh_check(t)
         self._expire_early(now)
-        linger = self.config.linger_s
+        linger = self.linger_s
         while self.tombstones:
             key, at = next(iter(self.tombstones.items()))
             if now < at + linger:
