@@ -7,6 +7,15 @@ grouped by transfer and handed to one kernel call per group, and control packets
 hundred DATA) go through :func:`gradlane.transport.wire.header.validate` and a dispatch table
 keyed by :class:`~gradlane.transport.wire.header.Kind` (STYLE rule 5).
 
+The table has an entry for every kind, and each handler returns the
+:class:`~gradlane.transport.wire.header.Reason` its packet is counted under: a packet that
+passed :func:`~gradlane.transport.wire.header.validate` can still be one this endpoint does not
+take (HELLO belongs to the control plane's handshake) or a bitmap reaching past its transfer's
+chunks; either is counted and dropped, never raised, so no datagram a peer (or anyone who can
+reach the port) sends fails a collective. A bitmap is unpacked only once its span is known to
+lie within the transfer it names, so the work a control packet causes is bounded by what the
+transfer tracks, whatever count it claims.
+
 Receiving
 ---------
 There is one way in: a driver writes datagrams into the free rows of :attr:`Endpoint.rx_arena`
@@ -65,6 +74,11 @@ RX_BATCH = 512
 #: next batches go there (beyond it, early data is copied out of the arena).
 MIN_ROOM = 64
 _OK = int(Reason.OK)  # an int: comparing arrays with an enum member takes NumPy's slow path
+_UNEXPECTED_KIND = int(Reason.UNEXPECTED_KIND)
+_BITMAP_RANGE = int(Reason.BITMAP_RANGE)
+
+#: A control handler: (packet, its header fields, path, now) -> the Reason it is counted under.
+_Handler = Callable[[bytes, dict[str, int], int, float], int]
 
 
 class Endpoint:
@@ -117,7 +131,12 @@ class Endpoint:
         self._now = 0.0
         self._control: list[Datagram] = []
         self.counters = self.receiver.counters  # one set of reject counters per endpoint
-        self._dispatch: dict[int, Callable[[bytes, dict[str, int], int, float], None]] = {
+        # Every kind has an entry: DATA never reaches the table (the framing pass sends it to
+        # the data path) and HELLO belongs to the control plane's handshake, so both are
+        # counted as unexpected here.
+        self._dispatch: dict[int, _Handler] = {
+            Kind.DATA: self._on_unexpected,
+            Kind.HELLO: self._on_unexpected,
             Kind.ACK: self._on_ack,
             Kind.NACK: self._on_nack,
             Kind.STOP: self._on_stop,
@@ -126,6 +145,7 @@ class Endpoint:
             Kind.MANIFEST: self._on_receiver_control,
             Kind.FIN: self._on_receiver_control,
         }
+        assert set(self._dispatch) == set(Kind), "a Kind without a control handler"
 
     # -- driver API ---------------------------------------------------------------------------
     @property
@@ -268,6 +288,7 @@ class Endpoint:
             "late": self.receiver.late,
             "early_dropped": self.receiver.early_dropped,
             "early_expired": self.receiver.early_expired,
+            "early_control_dropped": self.receiver.early_control_dropped,
         }
 
     # -- internals ---------------------------------------------------------------------------
@@ -375,12 +396,10 @@ class Endpoint:
         ):
             raw = arena[i, :n_i].tobytes()
             h = HeaderFields._make(hv[i].item())  # every field at once, as Python numbers
-            why = validate(raw, self.session, header=h)
-            if why != _OK:
-                self.counters[why] += 1
-                continue
-            self.counters[_OK] += 1
-            self._dispatch[h.kind](raw, h._asdict(), path, now)
+            why: int = validate(raw, self.session, header=h)
+            if why == _OK:  # validate() took only Kind values: the table has each of them
+                why = self._dispatch.get(h.kind, self._on_unexpected)(raw, h._asdict(), path, now)
+            self.counters[why] += 1
         return pinned
 
     @staticmethod
@@ -439,6 +458,7 @@ class Endpoint:
         return pinned
 
     # -- control handlers (dispatch table) -----------------------------------------------------
+    # Each returns the Reason its packet is counted under (OK: accepted, acted on or not).
     @staticmethod
     def _bits(raw: bytes, count: int) -> np.ndarray:
         return np.unpackbits(
@@ -449,14 +469,33 @@ class Endpoint:
     def _out_key(f: dict[str, int]) -> OutKey:
         return OutKey(f["step"], f["bucket"], f["shard"], f["phase"], f["src"])
 
-    def _on_ack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+    def _bitmap(self, key: OutKey, raw: bytes, f: dict[str, int]) -> tuple[int, np.ndarray | None]:
+        """The reason to count an ACK or NACK about outgoing transfer ``key`` under, and its
+        bitmap: None when there is nothing to apply (the transfer is finished or was never
+        ours, an ordinary late packet) or the bitmap reaches past the transfer's chunks
+        (``BITMAP_RANGE``, nothing unpacked). A receiver's bitmaps cover chunks ``chunk ..
+        chunk + count`` within the shard, never beyond it."""
+        n = self.sender.n_chunks(key)
+        if n is None:
+            return _OK, None
+        if f["chunk"] + f["count"] > n:
+            return _BITMAP_RANGE, None
+        return _OK, self._bits(raw, f["count"])
+
+    def _on_unexpected(self, raw: bytes, f: dict[str, int], path: int, now: float) -> int:
+        return _UNEXPECTED_KIND
+
+    def _on_ack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> int:
+        key = self._out_key(f)
         if f["flags"] & Flags.HELD:
-            self.sender.on_held(self._out_key(f))
-            return
-        bits = self._bits(raw, f["count"])
+            self.sender.on_held(key)
+            return _OK
+        why, bits = self._bitmap(key, raw, f)
+        if bits is None:
+            return why
         ack_delay = f["norm"]  # the receiver's hold time travels in the norm field
         self.sender.on_ack(
-            self._out_key(f),
+            key,
             f["chunk"],
             bits,
             f["aux"],
@@ -464,23 +503,31 @@ class Endpoint:
             now,
             ack_delay=ack_delay if np.isfinite(ack_delay) and ack_delay >= 0 else 0.0,
         )
+        return _OK
 
-    def _on_nack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+    def _on_nack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> int:
+        key = self._out_key(f)
+        why, bits = self._bitmap(key, raw, f)
+        if bits is None:
+            return why
         # aux: the newest chunk that reached the receiver from us, plus one (0: none yet).
-        bits = self._bits(raw, f["count"])
-        self.sender.on_nack(self._out_key(f), f["chunk"], bits, now, newest=f["aux"] - 1)
+        self.sender.on_nack(key, f["chunk"], bits, now, newest=f["aux"] - 1)
+        return _OK
 
-    def _on_stop(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+    def _on_stop(self, raw: bytes, f: dict[str, int], path: int, now: float) -> int:
         self.sender.on_stop(self._out_key(f))
+        return _OK
 
-    def _on_probe(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+    def _on_probe(self, raw: bytes, f: dict[str, int], path: int, now: float) -> int:
         # The probe's step (within our window, so within the prober's): not step 0, which
         # falls out of every window 64 steps into a job.
         reply = self._encode_to(Kind.PROBE_ACK, (f["step"], 0, 0, 0), f["src"], aux=f["aux"])
         self._control.append(Datagram(reply, f["src"], path, self.config.priority.tos(0)))
+        return _OK
 
-    def _on_probe_ack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
+    def _on_probe_ack(self, raw: bytes, f: dict[str, int], path: int, now: float) -> int:
         self.sender.on_probe_ack(f["src"], path, f["aux"], now)
+        return _OK
 
-    def _on_receiver_control(self, raw: bytes, f: dict[str, int], path: int, now: float) -> None:
-        self.receiver.on_control(raw, path, now, header=f)
+    def _on_receiver_control(self, raw: bytes, f: dict[str, int], path: int, now: float) -> int:
+        return self.receiver.on_control(raw, path, now, header=f)

@@ -38,7 +38,9 @@ after (maybe still on its way).
 A finished transfer is remembered for ``linger_s``, and never less than the hard deadline (its
 sender may ask until then), so late DATA is answered with STOP instead of being reduced twice.
 DATA for a transfer this rank has not started yet (a faster peer) is held, within
-``early_buffer_bytes``, and replayed when it starts.
+``early_buffer_bytes``, and replayed when it starts; so are its MANIFEST and FIN, within a
+bounded share of the same budget (:data:`CONTROL_SHARE`). What does not fit is dropped and
+counted; what is held expires after ``linger_s``, by the receiver's timer, collective or not.
 """
 
 from __future__ import annotations
@@ -73,9 +75,17 @@ from gradlane.transport.wire.header import (
     header_fields,
 )
 
-__all__ = ["InKey", "InTransfer", "ReceiverCore"]
+__all__ = ["CONTROL_OVERHEAD", "CONTROL_SHARE", "InKey", "InTransfer", "ReceiverCore"]
 
 log = logging.getLogger(__name__)
+
+#: Held early MANIFEST/FIN take at most ``early_buffer_bytes // CONTROL_SHARE``: a sender's
+#: own are a few small bitmaps per transfer; a flood of forged ones leaves the rest to data.
+CONTROL_SHARE = 8
+#: Bytes charged per held control packet besides its length (its Python objects, and a new
+#: transfer's key and dict entries): header-only floods are bounded too.
+CONTROL_OVERHEAD = 512
+_OK = int(Reason.OK)
 
 
 class InKey(NamedTuple):
@@ -207,10 +217,13 @@ class ReceiverCore:
         self.linger_s = max(config.linger_s, config.loss.hard_deadline_s)
         # Held early DATA per transfer: rows of the endpoint's arena (pinned) or copies of them.
         self.early: dict[InKey, list[_Held]] = {}
+        # Held early MANIFEST/FIN: early_bytes + early_control_bytes <= early_buffer_bytes.
         self.early_control: dict[InKey, list[tuple[bytes, int]]] = {}
         self.early_bytes = 0
+        self.early_control_bytes = 0
         self._early_at: dict[InKey, float] = {}  # when each transfer's first early data came
         self.early_expired = 0
+        self.early_control_dropped = 0
         self.counters = np.zeros(N_REASONS, dtype=np.int64)
         self.late = 0
         self.early_dropped = 0
@@ -257,7 +270,10 @@ class ReceiverCore:
             if not t.done:  # the kernel checks every held packet (tag included) as it lands
                 self.on_data(t, h.arena, h.lengths, h.rows, h.paths, now, session)
         for data, path in self.early_control.pop(key, []):
-            self.on_control(data, path, now, t_hint=t)
+            self.early_control_bytes -= len(data) + CONTROL_OVERHEAD
+            why = self.on_control(data, path, now, t_hint=t)
+            if why != _OK:  # counted as accepted when held; its transfer now says otherwise
+                self.counters[why] += 1
         if t.got >= t.expected or t.fin.any():
             # Complete already (an empty shard, or early data), or a sender gave chunks up.
             # Anything else is decided when data comes or at the transfer's first check time
@@ -332,8 +348,10 @@ class ReceiverCore:
         now: float,
         t_hint: InTransfer | None = None,
         header: dict | None = None,
-    ) -> None:
-        """MANIFEST or FIN from a sender (already validated by the endpoint)."""
+    ) -> int:
+        """MANIFEST or FIN from a sender (validated by the endpoint): the :class:`Reason` to
+        count it under (``OK``: taken, held early, dropped for room, or of a finished transfer).
+        Its bitmap is unpacked only once it fits its transfer."""
         h = header if header is not None else header_fields(np.frombuffer(data, np.uint8))._asdict()
         key = InKey(h["step"], h["bucket"], h["shard"], h["phase"])
         t = t_hint or self.transfers.get(key)
@@ -341,15 +359,17 @@ class ReceiverCore:
             if key in self.tombstones:  # our STOP was lost: the sender still FINs, answer again
                 self._stop_late(key, h["src"], now)
             else:
-                self.early_control.setdefault(key, []).append((bytes(data), path))
-                self._early_at.setdefault(key, now)
-            return
+                self._hold_control(key, data, path, now)
+            return _OK
         if t.done:
-            return
+            return _OK
         r = h["src"] - t.spec.src_lo
-        if not 0 <= r < t.received.shape[0] or h["count"] != t.spec.n_chunks:
-            self.counters[Reason.COUNT_MISMATCH] += 1
-            return
+        if not 0 <= r < t.received.shape[0]:
+            return int(Reason.BAD_RANK)
+        if h["chunk"] + h["count"] > t.spec.n_chunks:
+            return int(Reason.BITMAP_RANGE)
+        if h["count"] != t.spec.n_chunks:
+            return int(Reason.COUNT_MISMATCH)
         bits = np.unpackbits(
             np.frombuffer(data, dtype=np.uint8)[48:], count=h["count"], bitorder="little"
         ).astype(bool)
@@ -362,6 +382,21 @@ class ReceiverCore:
             t.abandoned[r] = bits & (t.received[r] == 0)
             t.fin[r] = True
             self._check(t, now)
+        return _OK
+
+    def _hold_control(self, key: InKey, data: bytes | memoryview, path: int, now: float) -> None:
+        """Hold a MANIFEST or FIN for a transfer not started here, within its share of the
+        early buffer (see :data:`CONTROL_SHARE`); dropped and counted when it does not fit."""
+        self._expire_early(now)
+        charge = len(data) + CONTROL_OVERHEAD
+        budget = self.config.early_buffer_bytes
+        held = self.early_control_bytes + charge
+        if held > budget // CONTROL_SHARE or self.early_bytes + held > budget:
+            self.early_control_dropped += 1
+            return
+        self.early_control.setdefault(key, []).append((bytes(data), path))
+        self._early_at.setdefault(key, now)
+        self.early_control_bytes = held
 
     def on_unknown_data(
         self,
@@ -398,7 +433,8 @@ class ReceiverCore:
         width = min(arena.shape[1], -(-int(sizes.max()) // 8) * 8)
         pin = pin and 2 * width >= arena.shape[1]  # tiny datagrams: a compact copy is cheap
         charge = arena.shape[1] if pin else width
-        fit = (self.config.early_buffer_bytes - self.early_bytes) // charge  # rows (>= 48 B)
+        room = self.config.early_buffer_bytes - self.early_bytes - self.early_control_bytes
+        fit = max(room, 0) // charge  # rows (>= 48 B)
         if fit < rows.shape[0]:
             self.early_dropped += int(rows.shape[0] - fit)
             rows, sizes = rows[:fit], sizes[:fit]
@@ -450,12 +486,14 @@ class ReceiverCore:
         return out
 
     def get_timer(self) -> float | None:
-        """Earliest ACK due, soft/hard deadline or NACK repeat, or tombstone expiry."""
+        """Earliest ACK due, soft/hard deadline or NACK repeat, tombstone or early expiry."""
         best = min((t.check_at for t in self.transfers.values()), default=np.inf)
         for t in self._ack_pending.values():
             best = min(best, float(t.ack_due.min()))
         if self.tombstones:
             best = min(best, next(iter(self.tombstones.values())) + self.linger_s)
+        if self._early_at:  # held early packets expire even when no collective runs
+            best = min(best, next(iter(self._early_at.values())) + self.linger_s)
         return None if best == np.inf else float(best)
 
     def note_drained(self, now: float) -> None:
@@ -490,7 +528,7 @@ class ReceiverCore:
         linger time if longer): a collective that has not started here by then never will (a
         peer's stale step, a job restarted under the same token), and its held bytes would
         otherwise keep new early data out of ``early_buffer_bytes`` for good."""
-        limit = max(self.config.loss.hard_deadline_s, self.config.linger_s)
+        limit = self.linger_s  # as long as a transfer may live
         while self._early_at:
             key, at = next(iter(self._early_at.items()))
             if now < at + limit:
@@ -501,7 +539,8 @@ class ReceiverCore:
             for h in self.early.pop(key, []):
                 self.early_bytes -= h.nbytes
                 self.early_expired += int(h.rows.shape[0])
-            self.early_control.pop(key, None)
+            for data, _ in self.early_control.pop(key, []):
+                self.early_control_bytes -= len(data) + CONTROL_OVERHEAD
 
     def abort(self, key: InKey) -> None:
         """Forget a transfer without completing it (its collective failed)."""

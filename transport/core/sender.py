@@ -327,6 +327,12 @@ class SenderCore:
         if want.size:
             self._sendable.add(key)
 
+    def n_chunks(self, key: OutKey) -> int | None:
+        """Chunks of the live outgoing transfer ``key`` (None: finished, or never ours): what
+        an ACK or NACK about it may cover, checked before its bitmap is unpacked."""
+        t = self.transfers.get(key)
+        return None if t is None or t.done else t.n_chunks
+
     def _bitmap_span(
         self, key: OutKey, base: int, bits: np.ndarray
     ) -> tuple[OutTransfer, int] | None:

@@ -146,7 +146,13 @@ ITEMSIZE = (4, 2, 2)
 
 
 class Reason(IntEnum):
-    """Why a datagram was rejected; each has its own counter. ``OK`` means accepted."""
+    """Why a datagram was rejected; each has its own counter. ``OK`` means accepted.
+
+    ``UNEXPECTED_KIND``: a well-formed kind the receiving endpoint does not take (HELLO on the
+    data plane). ``BITMAP_RANGE``: a bitmap (ACK/NACK/MANIFEST/FIN) covering chunks its transfer
+    does not have; it is rejected before a bit of it is unpacked, so the work a packet causes is
+    bounded by what the transfer tracks, not by the count it claims.
+    """
 
     OK = 0
     TRUNCATED = 1
@@ -166,6 +172,8 @@ class Reason(IntEnum):
     BAD_DTYPE = 15
     DUPLICATE = 16
     UNKNOWN_TRANSFER = 17
+    UNEXPECTED_KIND = 18
+    BITMAP_RANGE = 19
 
 
 N_REASONS = len(Reason)

@@ -1,0 +1,91 @@
+"""Hostile datagrams sent to an engine's UDP port on loopback while collectives run: a HELLO
+(the control plane's kind) and one well-formed datagram of every Kind, with a valid tag (signed
+with the job's key when it has a secret), plus ACK/NACK bitmaps claiming far more chunks than
+the transfer has. Each is counted or handled; every collective still completes exactly.
+
+Every engine is closed by the fixture, every wait is a Future with a timeout, and every test
+has a pytest timeout, so a hang is a failure, never a stuck run.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from gradlane.transport.config import TransportConfig
+from gradlane.transport.drivers.peers import StaticPeers
+from gradlane.transport.drivers.udp.plane import UdpPlane
+from gradlane.transport.wire.header import BITMAP_KINDS, Header, Kind, Phase, encode
+
+WAIT_S = 60.0
+BITS = 8 * 60_000  # a bitmap claiming 480,000 chunks, in one 60 KB datagram
+
+
+def _forge(config: TransportConfig, kind: int, **fields: int) -> bytes:
+    """A datagram of ``kind`` from rank 1 to rank 0, header and tag valid for ``config``'s job:
+    bitmap kinds carry ``count`` set bits, DATA ``count`` float32 ones."""
+    h = Header(kind=kind, job=config.job, src=1, dst=0, **fields)
+    if kind in BITMAP_KINDS:
+        payload = b"\xff" * -(-h.count // 8)
+    elif kind == Kind.DATA:
+        payload = np.ones(h.count, np.float32).tobytes()
+    else:
+        payload = b""
+    return encode(h, payload, config.tag_key)
+
+
+def _hostile(config: TransportConfig, step: int) -> list[bytes]:
+    """A HELLO about the running collective; one datagram of every Kind about bucket 5, which
+    never runs; ACK and NACK about rank 0's running reduce-phase shard to rank 1 whose bitmaps
+    claim far more chunks than it has."""
+    out = [_forge(config, Kind.HELLO, step=step)]
+    for kind in Kind:
+        count = 1 if kind == Kind.DATA or kind in BITMAP_KINDS else 0
+        out.append(_forge(config, kind, step=step, bucket=5, count=count))
+    running = {"step": step, "bucket": 0, "shard": 1, "phase": Phase.REDUCE}
+    out += [_forge(config, k, count=BITS, **running) for k in (Kind.ACK, Kind.NACK)]
+    return out
+
+
+@pytest.fixture
+def pair(request) -> Iterator[list[UdpPlane]]:
+    """Two started, connected engines on loopback (``request.param``: the job's secret)."""
+    cfg = TransportConfig(chunk_bytes=65000, secret=request.param)
+    engines = [UdpPlane(r, 2, cfg) for r in range(2)]
+    try:
+        rdv = StaticPeers({r: e.start() for r, e in enumerate(engines)})
+        for e in engines:
+            e.set_peers(rdv)
+        yield engines
+    finally:
+        for e in engines:
+            e.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pair", [None, "the job's secret"], indirect=True)
+def test_hostile_datagrams_never_fail_a_collective(pair: list[UdpPlane]):
+    e0, e1 = pair
+    cfg = e0.config
+    rng = np.random.default_rng(3)
+    n = 300_000  # about 10 chunks per shard
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for step in (1, 2, 3):
+            data = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+            f0 = e0.submit(step, 0, data[0])
+            # Rank 0 runs (its share sent, waiting for rank 1's) when the datagrams land: stats
+            # runs on the engine's loop after the submit did.
+            assert e0.stats()["in_flight"] == 1
+            for packet in _hostile(cfg, step):
+                for addr in e0.bound:
+                    s.sendto(packet, addr)
+            f1 = e1.submit(step, 0, data[1])
+            for res, rep in (f0.result(WAIT_S), f1.result(WAIT_S)):
+                np.testing.assert_array_equal(res, data[0] + data[1])
+                assert not rep.degraded
+    rejected = e0.stats()["rejected"]
+    sent = 3 * len(e0.bound)
+    assert rejected.get("unexpected_kind", 0) == 2 * sent  # each HELLO, twice: HELLO and Kind
+    assert rejected.get("bitmap_range", 0) == 2 * sent
