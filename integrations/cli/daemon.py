@@ -5,6 +5,8 @@ One daemon per host; the host's trainers run with ``GRADLANE_MODE=daemon``. Conf
 variables, then the flags below. With ``--rendezvous store`` the daemons find each other through a
 TCPStore at ``--store HOST:PORT`` that host 0's daemon serves. The line ``gradlane daemon: ready
 ...`` on stdout says it serves; SIGTERM or SIGINT drains and removes its socket and shared memory.
+The exit code is 0 after a clean stop, 1 when the daemon stopped on an error, 2 when it could not
+start.
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ def _store_rendezvous(cfg: DaemonConfig) -> StoreRendezvous | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the daemon, serve until SIGTERM/SIGINT, drain and clean up. Exit code 0 = clean."""
+    """Start the daemon, serve until SIGTERM/SIGINT, drain and clean up. Exit code 0: stopped
+    cleanly; 1: its loop stopped on an error (logged with its traceback); 2: it did not start."""
     handler = logging.StreamHandler(sys.stderr)
     if args.log_format == "json":
         handler.setFormatter(JsonFormatter())
@@ -152,5 +155,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     while not daemon.wait(0.5):  # short waits so the signal handlers run promptly
         pass
+    if daemon.error is not None:
+        emit(
+            f"gradlane daemon: failed after {time.monotonic() - t0:.1f}s: "
+            f"{type(daemon.error).__name__}: {daemon.error}",
+            err=True,
+        )
+        return 1
     emit(f"gradlane daemon: stopped after {time.monotonic() - t0:.1f}s")
     return 0

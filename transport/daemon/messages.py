@@ -6,10 +6,14 @@ Tensors never travel over the socket: they sit in shared memory
 (:mod:`gradlane.transport.daemon.shm`) and a message names the segment, offset, element count and
 dtype. A message is two ZeroMQ frames, ``[kind, body]``: ``kind`` one of the ASCII names in
 :data:`SCHEMAS`, ``body`` a JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`). Nothing is ever
-unpickled. :func:`decode` checks the frame count, size, kind, JSON, and every field's presence, type
-and range against the kind's schema before a caller sees a value; anything else is an
-:class:`IpcError` whose ``reason`` (one of :data:`REASONS`) the daemon counts before it answers
-``REJECT`` and goes on serving.
+unpickled. Every message is treated as hostile: :func:`decode` checks the frame count and sizes,
+the kind, the nesting depth of the raw bytes (at most :data:`MAX_DEPTH`, scanned before
+``json.loads`` so a deeply nested body cannot exhaust the parser's recursion), the JSON itself
+(huge integer literals, ``NaN`` and ``Infinity`` included), and every field's presence, type and
+range against the kind's schema before a caller sees a value. Any failure is an :class:`IpcError`
+whose ``why`` (one of :data:`REASONS`) the daemon counts before it answers ``REJECT`` and goes on
+serving; the error's detail is clipped to :data:`MAX_DETAIL` characters and never holds more than
+a bounded ``repr`` of what was received, so the ``REJECT`` that carries it always fits its field.
 
 Conversation (trainer DEALER → daemon ROUTER)::
 
@@ -24,28 +28,42 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import reprlib
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 from gradlane.transport.core.events import CollectiveReport, LossReport, SenderReport
 from gradlane.transport.errors import GradlaneError
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_DETAIL",
     "MAX_MESSAGE_BYTES",
+    "MAX_STRING",
     "REASONS",
     "SCHEMAS",
     "IpcError",
+    "clip",
     "daemon_pid",
     "decode",
     "encode",
     "lock_path",
     "report_from_wire",
     "report_to_wire",
+    "short",
 ]
 
 #: Largest body accepted (a CollectiveReport of a many-host job fits with room to spare).
 MAX_MESSAGE_BYTES = 64 << 10
+#: Deepest nesting of arrays and objects accepted in a body (a DONE report nests 4 deep).
+MAX_DEPTH = 32
+#: Longest string field accepted.
+MAX_STRING = 4096
+#: Longest detail an :class:`IpcError` (and so a REJECT) carries; well under :data:`MAX_STRING`.
+MAX_DETAIL = 1024
 _U16 = (0, 0xFFFF)
 _U32 = (0, 0xFFFFFFFF)
 _U63 = (0, (1 << 63) - 1)
@@ -108,7 +126,28 @@ REASONS = (
     "stale_generation",
     "mismatch",
     "duplicate_submit",
+    "internal",
+    "reply_failed",
 )
+"""``internal``: handling the message raised an error the daemon did not expect (logged with its
+traceback; serving goes on). ``reply_failed``: the daemon's own answer could not be built."""
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxset = 8
+_SHORT.maxlevel = 3
+
+
+def short(value: Any) -> str:
+    """A bounded ``repr`` of a received value (a long string, list or number is elided)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"<integer of {value.bit_length()} bits>"
+    return _SHORT.repr(value)
+
+
+def clip(text: str, limit: int = MAX_DETAIL) -> str:
+    """``text`` cut to at most ``limit`` characters (an ellipsis says it was cut)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class IpcError(GradlaneError):
@@ -119,6 +158,7 @@ class IpcError(GradlaneError):
     """
 
     def __init__(self, why: str, detail: str) -> None:
+        detail = clip(detail)
         super().__init__(f"{why}: {detail}")
         self.why = why
         self.detail = detail
@@ -169,34 +209,66 @@ def decode(frames: Sequence[bytes]) -> tuple[str, dict[str, Any]]:
     schema = SCHEMAS.get(kind)
     if schema is None:
         raise IpcError("unknown_kind", f"kind {kind!r}; valid: {sorted(SCHEMAS)}")
+    raw = bytes(body)
+    depth = _depth(raw)
+    if depth > MAX_DEPTH:
+        raise IpcError("malformed", f"{kind}: body nests {depth} deep, at most {MAX_DEPTH}")
     try:
-        fields = json.loads(bytes(body))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IpcError("malformed", f"{kind}: body is not JSON ({e})") from None
+        fields = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        # ValueError covers bad UTF-8, bad JSON and integer literals past Python's digit limit.
+        raise IpcError("malformed", f"{kind}: body is not acceptable JSON ({short(e)})") from None
     if not isinstance(fields, dict):
         raise IpcError("malformed", f"{kind}: body must be a JSON object")
     extra = sorted(set(fields) - set(schema))
     missing = sorted(set(schema) - set(fields))
     if extra or missing:
-        raise IpcError("bad_field", f"{kind}: missing {missing}, unexpected {extra}")
+        raise IpcError("bad_field", f"{kind}: missing {missing}, unexpected {short(extra)}")
     for name, (typ, bounds) in schema.items():
         fields[name] = _check(kind, name, fields[name], typ, bounds)
     return kind, fields
 
 
+#: A JSON string token (escapes included); what lies between such tokens is structure.
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_OPEN = np.frombuffer(b"[{", np.uint8)
+_CLOSE = np.frombuffer(b"]}", np.uint8)
+
+
+def _depth(body: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (an upper bound when the text is not
+    JSON). Linear in the body's size; strings are cut out first so brackets inside them don't
+    count."""
+    opens = body.count(b"[") + body.count(b"{")
+    if opens <= MAX_DEPTH:
+        return opens  # the common case: nesting cannot exceed the number of openings
+    bare = np.frombuffer(_STRING.sub(b'""', body), np.uint8)
+    step = np.isin(bare, _OPEN).astype(np.int32) - np.isin(bare, _CLOSE)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not a number")  # encode never writes NaN or Infinity
+
+
 def _check(kind: str, name: str, value: Any, typ: type, bounds: Any) -> Any:
     if typ is bool:  # JSON true/false only: not 0/1, which would pass for an int elsewhere
         if not isinstance(value, bool):
-            raise IpcError("bad_field", f"{kind}.{name}={value!r}: expected bool")
+            raise IpcError("bad_field", f"{kind}.{name}={short(value)}: expected bool")
         return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise IpcError("bad_field", f"{kind}.{name}={short(value)}: too large") from None
     if not isinstance(value, typ) or isinstance(value, bool):
-        raise IpcError("bad_field", f"{kind}.{name}={value!r}: expected {typ.__name__}")
-    if isinstance(value, str) and len(value) > 4096:
+        raise IpcError("bad_field", f"{kind}.{name}={short(value)}: expected {typ.__name__}")
+    if isinstance(value, str) and len(value) > MAX_STRING:
         raise IpcError("bad_field", f"{kind}.{name}: string of {len(value)} characters")
     if bounds is not None and not bounds[0] <= value <= bounds[1]:
-        raise IpcError("bad_field", f"{kind}.{name}={value!r}: outside [{bounds[0]}, {bounds[1]}]")
+        raise IpcError(
+            "bad_field", f"{kind}.{name}={short(value)}: outside [{bounds[0]}, {bounds[1]}]"
+        )
     return value
 
 
@@ -229,5 +301,5 @@ def report_from_wire(d: dict[str, Any]) -> CollectiveReport:
                 per_path_bytes=tuple(s["per_path_bytes"]),
             ),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise IpcError("bad_field", f"DONE.report is not a collective report ({e!r})") from None

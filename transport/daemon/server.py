@@ -22,8 +22,13 @@ timeout set by the earliest slot deadline. Failures stay local and named:
 
 * a slot that does not fill within ``slot_timeout`` (a trainer died or hangs) fails for the
   ranks that did submit — naming the missing local and global ranks — and is freed;
-* a bad message (malformed, oversized, unknown kind, unknown rank, missing segment, stale
-  generation, duplicate) is counted by reason and answered ``REJECT``/``FAIL``; serving goes on;
+* a bad message (malformed, oversized, too deep, unknown kind, unknown rank, missing segment,
+  stale generation, duplicate) is counted by reason and answered ``REJECT``/``FAIL``; serving goes
+  on. Every message is hostile: whatever handling one raises is counted (``internal``) and
+  answered, and an answer that cannot be built is counted (``reply_failed``), never raised;
+* the daemon checks a trainer's segment still holds its bucket before every read and write
+  (:class:`~gradlane.transport.daemon.shm.SegmentFile`): a trainer that truncated its segment
+  gets a FAIL naming it, where the mapped copy would kill the daemon with ``SIGBUS``;
 * a second daemon on the same socket path finds the path's lock taken and refuses to start;
 * :meth:`Daemon.stop` (SIGTERM) drains: new submissions fail, slots still filling fail, the
   collectives already running finish (bounded by the hard deadline); then the socket, its lock
@@ -55,7 +60,7 @@ from gradlane.transport.core.collective import from_f32
 from gradlane.transport.daemon import messages as ipc
 from gradlane.transport.daemon.config import DaemonConfig
 from gradlane.transport.daemon.metrics import DaemonMetrics, MetricsServer
-from gradlane.transport.daemon.shm import Segment, SegmentError, remove_prefix
+from gradlane.transport.daemon.shm import SegmentError, SegmentFile, remove_prefix
 from gradlane.transport.drivers.peers import Rendezvous, StaticPeers
 from gradlane.transport.drivers.udp.plane import UdpPlane
 from gradlane.transport.drivers.waker import Waker
@@ -90,7 +95,7 @@ class _Rank:
     world: int
     pid: int
     prefix: str
-    segments: dict[str, Segment] = field(default_factory=dict)
+    segments: dict[str, SegmentFile] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,8 +109,8 @@ class _Slot:
     layer_position: float
     opened: float
     deadline: float
-    arrived: dict[int, tuple[bytes, np.ndarray]] = field(default_factory=dict)
-    """local rank -> (identity, its bucket as wire words in its segment)."""
+    arrived: dict[int, tuple[bytes, SegmentFile, int]] = field(default_factory=dict)
+    """local rank -> (identity, the segment holding its bucket, the bucket's byte offset)."""
     launched: bool = False
     buffer: np.ndarray | None = None
     pinned: bool = False
@@ -117,7 +122,7 @@ class Daemon:
 
     ``rendezvous`` overrides the config's static peer list (the CLI passes a TCPStore one).
     :meth:`start` binds everything and starts the loop thread; :meth:`stop` drains and cleans up;
-    :meth:`wait` blocks until the loop has ended.
+    :meth:`wait` blocks until the loop has ended; :attr:`error` then says whether it failed.
     """
 
     def __init__(self, config: DaemonConfig, rendezvous: Rendezvous | None = None) -> None:
@@ -152,6 +157,7 @@ class Daemon:
         self._served = 0  # collectives completed by the current engine
         self.bound: list[tuple[str, int]] = []
         self._peers: StaticPeers | None = None
+        self._error: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> Daemon:
@@ -191,6 +197,11 @@ class Daemon:
     def metrics_url(self) -> str | None:
         """Where the Prometheus text is served (None when disabled)."""
         return self._server.url if self._server is not None else None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that stopped the loop (None while it serves, and after a clean stop)."""
+        return self._error
 
     def stop(self) -> None:
         """Ask the loop to drain and stop (safe from a signal handler or any thread)."""
@@ -298,7 +309,8 @@ class Daemon:
         try:
             self._serve()
             self._drain()
-        except Exception:
+        except Exception as e:
+            self._error = e
             log.exception("daemon loop failed")
             self._fail_all("the gradlane daemon failed (see its log)")
         finally:
@@ -355,6 +367,9 @@ class Daemon:
 
     # -- messages --------------------------------------------------------------------------------
     def _handle(self, frames: list[bytes]) -> None:
+        """Serve one message. Nothing it holds may stop the loop, which serves every rank:
+        a message's own faults are IpcErrors, and anything else its handling raises is logged,
+        counted as ``internal`` and answered like them."""
         identity, body = frames[0], frames[1:]
         try:
             kind, msg = ipc.decode(body)
@@ -364,18 +379,29 @@ class Daemon:
             handler(self, identity, msg)
         except ipc.IpcError as e:
             self._reject(identity, e.why, e.detail)
+        except Exception as e:
+            log.exception("daemon: handling an IPC message failed")
+            self._reject(identity, "internal", f"the daemon failed on this message: {e!r}")
 
     def _reject(self, identity: bytes, why: str, detail: str) -> None:
         self.metrics.ipc_rejected.labels(why).inc()
+        detail = ipc.clip(detail)
         log.warning("daemon: rejected an IPC message (%s): %s", why, detail)
         self._send(identity, "REJECT", reason=why, detail=detail)
 
     def _send(self, identity: bytes, kind: str, **fields: Any) -> None:
+        """Answer ``identity``; never raises (a reply that cannot be built is counted)."""
         router = self._router
         if router is None:
             return
         try:
-            router.send_multipart([identity, *ipc.encode(kind, **fields)], zmq.NOBLOCK)
+            frames = ipc.encode(kind, **fields)
+        except (GradlaneError, ValueError, TypeError, RecursionError) as e:
+            self.metrics.ipc_rejected.labels("reply_failed").inc()
+            log.error("daemon: cannot build the %s answer to %r: %s", kind, identity[:32], e)
+            return
+        try:
+            router.send_multipart([identity, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the peer is gone or its queue is full: its Future times out
             log.debug("daemon: could not answer %r: %s", identity, e)
 
@@ -504,7 +530,7 @@ class Daemon:
             )
             return
         try:
-            data = self._segment_view(r, msg)
+            seg = self._segment(r, msg)
         except (SegmentError, ipc.IpcError) as e:
             why = e.why if isinstance(e, ipc.IpcError) else "bad_segment"
             self.metrics.ipc_rejected.labels(why).inc()
@@ -538,12 +564,13 @@ class Daemon:
             self.metrics.ipc_rejected.labels(problem[0]).inc()
             self._fail_one(identity, step, bucket, problem[1])
             return
-        slot.arrived[r.local_rank] = (identity, data)
+        slot.arrived[r.local_rank] = (identity, seg, msg["offset"])
         slot.pinned = slot.pinned or msg["pinned"]
         if len(slot.arrived) == self._local_world:
             self._launch(slot)
 
-    def _segment_view(self, r: _Rank, msg: dict[str, Any]) -> np.ndarray:
+    def _segment(self, r: _Rank, msg: dict[str, Any]) -> SegmentFile:
+        """The segment a SUBMIT names, checked: the rank's own, aligned, big enough now."""
         name, offset, numel, dtype = msg["shm"], msg["offset"], msg["numel"], msg["dtype"]
         if not name.startswith(r.prefix):
             raise ipc.IpcError(
@@ -558,15 +585,20 @@ class Daemon:
                 f"{nbytes} B at offset {offset} exceeds "
                 f"max_segment_bytes={self.config.max_segment_bytes}",
             )
+        if offset % ITEMSIZE[dtype]:
+            raise ipc.IpcError("bad_segment", f"offset {offset} is not a multiple of the dtype")
         seg = r.segments.get(name)
-        if seg is None or seg.size < offset + nbytes:
+        if seg is None or seg.mapped < offset + nbytes:
             # Names are <prefix>b<bucket>.<index>-<serial>: a new serial replaces that slot's
-            # older segment (the trainer grew it), so close the mapping of the old one.
+            # older segment (the trainer grew it), so close the mapping of the old one (and
+            # of this one, mapped before the file grew).
             base = name.rsplit("-", 1)[0]
             for old in [n for n in r.segments if n.rsplit("-", 1)[0] == base]:
                 r.segments.pop(old).close()
-            seg = r.segments[name] = Segment.open(name, offset + nbytes)
-        return seg.array(_WIRE_NP[DType(dtype)], numel, offset)
+            seg = r.segments[name] = SegmentFile.open(name, offset + nbytes)
+        else:
+            seg.require(offset + nbytes)
+        return seg
 
     def _fail_one(self, identity: bytes, step: int, bucket: int, text: str) -> None:
         self._send(
@@ -581,10 +613,17 @@ class Daemon:
 
     # -- the collective --------------------------------------------------------------------------
     def _launch(self, slot: _Slot) -> None:
-        slot.launched = True
-        srcs = [slot.arrived[lr][1] for lr in sorted(slot.arrived)]  # local rank order: fixed
         f32 = self._take(slot.numel, np.float32)
-        local_sum(f32, srcs, slot.dtype)
+        try:
+            self._sum_segments(slot, f32)
+        except SegmentError as e:  # truncated or closed since its SUBMIT: no sum to make
+            self._give(f32)
+            del self._slots[(slot.step, slot.bucket)]
+            self.metrics.ipc_rejected.labels("bad_segment").inc()
+            log.warning("daemon: step %d bucket %d: %s", slot.step, slot.bucket, e)
+            self._fail_slot(slot, f"step {slot.step} bucket {slot.bucket}: {e}")
+            return
+        slot.launched = True
         if slot.dtype == DType.F32:
             wire = f32
         else:
@@ -592,19 +631,31 @@ class Daemon:
             from_f32(f32, slot.dtype, wire)
             self._give(f32)
         slot.buffer = wire
+        eng = self._engine
+        try:
+            if eng is None:
+                raise RuntimeError("the inter-host engine is not running")
+            fut = eng.submit(
+                slot.step,
+                slot.bucket,
+                wire,
+                slot.layer_position,
+                dtype=slot.dtype,
+                out=wire,
+                pinned=slot.pinned,
+            )
+        except (GradlaneError, RuntimeError, ValueError) as e:  # refused: fail it, keep serving
+            del self._slots[(slot.step, slot.bucket)]
+            self._give(wire)
+            self.metrics.collectives.labels("failed").inc()
+            self._fail_slot(
+                slot,
+                f"host {self.config.host_rank}'s inter-host all-reduce refused step "
+                f"{slot.step} bucket {slot.bucket}: {type(e).__name__}: {e}",
+            )
+            return
         self._running += 1
         self.metrics.in_flight.set(self._running)
-        eng = self._engine
-        assert eng is not None
-        fut = eng.submit(
-            slot.step,
-            slot.bucket,
-            wire,
-            slot.layer_position,
-            dtype=slot.dtype,
-            out=wire,
-            pinned=slot.pinned,
-        )
 
         def done(f: concurrent.futures.Future[Any]) -> None:  # engine thread: hand over
             self._done.append((slot, f))
@@ -615,6 +666,20 @@ class Daemon:
     def _take(self, numel: int, dtype: type) -> np.ndarray:
         free = self._pool.get((numel, np.dtype(dtype).itemsize))
         return free.pop() if free else np.empty(numel, dtype=dtype)
+
+    def _sum_segments(self, slot: _Slot, f32: np.ndarray) -> None:
+        """Sum the local ranks' buckets into ``f32`` from their segments, each checked to still
+        hold its bucket (:meth:`SegmentFile.view`); :class:`SegmentError` names the local rank
+        whose segment fell short (truncated by its owner since its SUBMIT)."""
+        wire_np = _WIRE_NP[DType(slot.dtype)]
+        srcs = []
+        for lr in sorted(slot.arrived):  # local rank order: the sum's order is fixed
+            _, seg, offset = slot.arrived[lr]
+            try:
+                srcs.append(seg.view(wire_np, slot.numel, offset))
+            except SegmentError as e:
+                raise SegmentError(f"local rank {lr}: {e}") from None
+        local_sum(f32, srcs, slot.dtype)
 
     def _give(self, buf: np.ndarray) -> None:
         free = self._pool.setdefault((buf.shape[0], buf.dtype.itemsize), [])
@@ -638,8 +703,19 @@ class Daemon:
                 )
                 self._fail_slot(slot, text)
             else:
-                for identity, view in slot.arrived.values():
-                    np.copyto(view, result.view(view.dtype))
+                wire = result.view(_WIRE_NP[DType(slot.dtype)])
+                for lr, (identity, seg, offset) in slot.arrived.items():
+                    try:
+                        np.copyto(seg.view(wire.dtype, wire.shape[0], offset), wire)
+                    except SegmentError as e:
+                        self.metrics.ipc_rejected.labels("bad_segment").inc()
+                        self._fail_one(
+                            identity,
+                            slot.step,
+                            slot.bucket,
+                            f"step {slot.step} bucket {slot.bucket} of local rank {lr}: {e}",
+                        )
+                        continue
                     self._send(
                         identity,
                         "DONE",
@@ -654,7 +730,7 @@ class Daemon:
                 self._give(slot.buffer)
 
     def _fail_slot(self, slot: _Slot, text: str) -> None:
-        for identity, _ in slot.arrived.values():
+        for identity, _, _ in slot.arrived.values():
             self._fail_one(identity, slot.step, slot.bucket, text)
 
     def _expire(self, now: float) -> None:

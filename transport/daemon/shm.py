@@ -5,6 +5,15 @@ cleanup is explicit (whoever knows the name unlinks it; unlinking twice is harml
 Python's ``multiprocessing.resource_tracker`` never unlinks or warns behind our back, as it does
 for ``multiprocessing.shared_memory``. Names are checked against one pattern before they touch
 the file system, so a name from an IPC message cannot reach outside ``/dev/shm``.
+
+The trainer maps its own segments (:class:`Segment`). The daemon reaches a trainer's segment
+through :class:`SegmentFile`, which keeps the file's descriptor beside its mapping and checks the
+file's size (``fstat``) before every use: a load or store through a mapping past a truncated
+end raises ``SIGBUS``, which kills the whole process (Python cannot turn it into an exception)
+and with it every rank the daemon serves. A segment truncated by its owner after its SUBMIT is
+therefore refused by name. The check cannot stop a truncate that lands during the copy itself
+(a few milliseconds); only a segment its owner cannot shrink closes that window (a sealed
+memfd, ``F_SEAL_SHRINK``), which the IPC does not pass yet.
 """
 
 from __future__ import annotations
@@ -15,11 +24,12 @@ import glob
 import mmap
 import os
 import re
+import stat
 
 import numpy as np
 from gradlane.transport.errors import ConfigError, GradlaneError
 
-__all__ = ["SHM_DIR", "Segment", "SegmentError", "check_name", "remove_prefix"]
+__all__ = ["SHM_DIR", "Segment", "SegmentError", "SegmentFile", "check_name", "remove_prefix"]
 
 #: Where POSIX shared memory lives on Linux.
 SHM_DIR = os.environ.get("GRADLANE_SHM_DIR", "/dev/shm")
@@ -91,6 +101,8 @@ class Segment:
             if size < max(min_size, 1):
                 raise SegmentError(f"shared memory {path} holds {size} B, {min_size} B needed")
             mm = mmap.mmap(fd, size)
+        except OSError as e:
+            raise SegmentError(f"cannot map shared memory {path}: {e}") from None
         finally:
             os.close(fd)
         return cls(name, size, mm)
@@ -122,6 +134,105 @@ class Segment:
 
     def unlink(self) -> None:
         """Remove the name (the memory lives until every mapping is gone). Idempotent."""
+        _unlink(self.path)
+
+
+class SegmentFile:
+    """Another process's segment ``/dev/shm/<name>``, mapped, with its descriptor kept to check
+    the file's size before every use (see the module's docstring).
+
+    :meth:`view` refuses, with a :class:`SegmentError`, any range the file no longer holds.
+    """
+
+    def __init__(self, name: str, fd: int, mm: mmap.mmap) -> None:
+        self.name = name
+        self._fd: int | None = fd
+        self._mm: mmap.mmap | None = mm
+        self.mapped = len(mm)
+        """Bytes mapped (the file's size when it was opened)."""
+
+    @property
+    def path(self) -> str:
+        """The segment's file."""
+        return os.path.join(SHM_DIR, self.name)
+
+    @classmethod
+    def open(cls, name: str, min_size: int = 1) -> SegmentFile:
+        """Open and map the existing plain file ``name`` read-write; :class:`SegmentError` if it
+        is absent, not a plain file, or holds fewer than ``min_size`` bytes."""
+        check_name(name)
+        path = os.path.join(SHM_DIR, name)
+        try:
+            # O_NONBLOCK: a FIFO planted under a segment's name must not block the open.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            what = "does not exist" if e.errno == errno.ENOENT else e.strerror
+            raise SegmentError(f"shared memory {path} {what}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentError(f"shared memory {path} is not a plain file")
+            if st.st_size < max(min_size, 1):
+                raise SegmentError(
+                    f"shared memory {path} holds {st.st_size} B, {max(min_size, 1)} B needed"
+                )
+            try:
+                mm = mmap.mmap(fd, st.st_size)
+            except (OSError, ValueError) as e:
+                raise SegmentError(f"cannot map shared memory {path}: {e}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, fd, mm)
+
+    @property
+    def size(self) -> int:
+        """The file's size now (its owner may change it at any time)."""
+        if self._fd is None:
+            raise SegmentError(f"segment {self.name} is closed")
+        try:
+            return os.fstat(self._fd).st_size
+        except OSError as e:
+            raise SegmentError(f"shared memory {self.path}: {e.strerror}") from None
+
+    def require(self, nbytes: int) -> None:
+        """:class:`SegmentError` unless the file holds at least ``nbytes`` bytes now."""
+        size = self.size
+        if size < nbytes:
+            raise SegmentError(
+                f"shared memory {self.path} was truncated by its owner to {size} B; "
+                f"{nbytes} B were submitted"
+            )
+
+    def view(self, dtype: np.dtype | type, count: int, offset: int = 0) -> np.ndarray:
+        """A 1-D view of ``count`` elements at byte ``offset``, after checking that the mapping
+        covers them and that the file still holds them."""
+        mm = self._mm
+        if mm is None:
+            raise SegmentError(f"segment {self.name} is closed")
+        dt = np.dtype(dtype)
+        end = offset + count * dt.itemsize
+        if offset < 0 or count < 0 or offset % dt.itemsize or end > self.mapped:
+            raise SegmentError(
+                f"segment {self.name} ({self.mapped} B mapped): {count} x {dt.name} at offset "
+                f"{offset} does not fit"
+            )
+        self.require(end)
+        return np.frombuffer(mm, dtype=dt, count=count, offset=offset)
+
+    def close(self) -> None:
+        """Close the descriptor and the mapping (views still alive keep the mapping until they
+        are gone). Idempotent."""
+        fd, self._fd = self._fd, None
+        mm, self._mm = self._mm, None
+        if fd is not None:
+            os.close(fd)
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+    def unlink(self) -> None:
+        """Remove the name (the memory lives until its owner's mapping is gone). Idempotent."""
         _unlink(self.path)
 
 
