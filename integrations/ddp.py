@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import ipaddress
 import itertools
 import logging
 import os
@@ -83,11 +84,16 @@ from gradlane.integrations.rendezvous import (
     rank_and_world,
 )
 from gradlane.scheduling.errors import ConfigError, GradlaneError
-from gradlane.transport.config import TransportConfig, loopback_config
+from gradlane.transport.config import (
+    TransportConfig,
+    check_types,
+    env_settings,
+    loopback_config,
+)
 from gradlane.transport.core.events import CollectiveReport
 from gradlane.transport.daemon.client import DaemonPlane
-from gradlane.transport.daemon.config import default_socket
-from gradlane.transport.drivers.peers import Rendezvous
+from gradlane.transport.daemon.config import check_ipc_path, default_socket
+from gradlane.transport.drivers.peers import Rendezvous, check_host
 from gradlane.transport.drivers.plane import Plane
 from gradlane.transport.drivers.udp.plane import InjectedLoss, UdpPlane
 from gradlane.transport.drivers.zmq.plane import ZmqPlane, zmq_config
@@ -152,11 +158,28 @@ class HookConfig:
     real network; UDP only (ZeroMQ is reliable)."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.transport not in _TRANSPORTS:
             raise ConfigError(
                 f"transport={self.transport!r}: one of {', '.join(_TRANSPORTS)} "
                 "(GRADLANE_HOOK__TRANSPORT)"
             )
+        for i, host in enumerate(self.hosts):
+            if not isinstance(host, str) or not host or any(c in host for c in " ,/[]"):
+                bad = True
+            elif ":" in host:  # only an IPv6 literal has colons: 'host:port' is not a host
+                try:
+                    ipaddress.ip_address(host)
+                    bad = False
+                except ValueError:
+                    bad = True
+            else:
+                bad = False
+            if bad:
+                raise ConfigError(
+                    f"hosts[{i}] (GRADLANE_HOOK__HOSTS): {host!r} is not a host; give one "
+                    "IP address or host name per path, without a port"
+                )
         if self.log_every < 0 or self.history < 1:
             raise ConfigError("log_every must be >= 0 (0 = never) and history >= 1")
         if self.rendezvous_timeout_s <= 0:
@@ -165,6 +188,8 @@ class HookConfig:
             raise ConfigError(f"name={self.name!r}: a non-empty name without '/'")
         if self.mode not in _MODES:
             raise ConfigError(f"mode={self.mode!r}: one of {', '.join(_MODES)} (GRADLANE_MODE)")
+        if self.daemon_socket:
+            check_ipc_path(self.daemon_socket, "daemon_socket (GRADLANE_HOOK__DAEMON_SOCKET)")
         if self.connect_timeout_s <= 0:
             raise ConfigError(f"connect_timeout_s={self.connect_timeout_s}: must be > 0")
         if not 0.0 <= self.inject_loss < 1.0:
@@ -174,44 +199,25 @@ class HookConfig:
         if self.inject_loss and self.transport == "zmq":
             raise ConfigError("inject_loss applies to the UDP plane only (ZeroMQ is reliable)")
 
+    def resolved_hosts(self) -> tuple[str, ...]:
+        """``hosts`` as numeric addresses: IP literals as given, names resolved (IPv4); a
+        ``ConfigError`` names a host that is neither. Checked when a plane is built from them,
+        not at construction, so that a config can be written for another machine."""
+        return tuple(
+            check_host(h, f"hosts[{i}] (GRADLANE_HOOK__HOSTS)") for i, h in enumerate(self.hosts)
+        )
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HookConfig:
-        """Build from ``GRADLANE_HOOK__*`` variables; unknown ones are an error naming them."""
+        """Build from ``GRADLANE_HOOK__*`` variables (names matched case-insensitively, values
+        parsed by each field's type; ``hosts`` comma-separated) and ``GRADLANE_MODE``; unknown
+        ones are an error naming them."""
         env = os.environ if environ is None else environ
         kwargs: dict[str, Any] = {}
         if env.get("GRADLANE_MODE"):
             kwargs["mode"] = env["GRADLANE_MODE"].strip()
-        for var, raw in env.items():
-            if not var.startswith(HOOK_ENV_PREFIX):
-                continue
-            name = var[len(HOOK_ENV_PREFIX) :].lower()
-            parse = _HOOK_ENV_PARSERS.get(name)
-            if parse is None:
-                raise ConfigError(f"unknown setting {var}; valid: {sorted(_HOOK_ENV_PARSERS)}")
-            try:
-                kwargs[name] = parse(raw)
-            except ValueError:
-                raise ConfigError(f"{var}={raw!r}: not a valid {name}") from None
+        kwargs.update(env_settings(cls, env, HOOK_ENV_PREFIX))
         return cls(**kwargs)
-
-
-def _hosts(raw: str) -> tuple[str, ...]:
-    return tuple(h.strip() for h in raw.split(",") if h.strip())
-
-
-#: How each ``GRADLANE_HOOK__<FIELD>`` value is read.
-_HOOK_ENV_PARSERS: dict[str, Any] = {
-    "transport": str.strip,
-    "hosts": _hosts,
-    "log_every": int,
-    "history": int,
-    "rendezvous_timeout_s": float,
-    "name": str.strip,
-    "mode": str.strip,
-    "daemon_socket": str.strip,
-    "connect_timeout_s": float,
-    "inject_loss": float,
-}
 
 
 @dataclass(frozen=True)
@@ -339,6 +345,8 @@ class GradlaneState:
         ``transport_overrides`` win over the environment."""
         env = dict(os.environ if environ is None else environ)
         hook = HookConfig.from_env(env)
+        if hook.hosts and hook.mode == "embedded":  # a bad address is named now, not at a timeout
+            hook = dataclasses.replace(hook, hosts=hook.resolved_hosts())
         tenv = {k: v for k, v in env.items() if not k.startswith(HOOK_ENV_PREFIX)}
         master = env.get("MASTER_ADDR")
         # The environment's settings on top of the defaults for this plane and network.
@@ -374,7 +382,9 @@ class GradlaneState:
         hook, cfg = self.config, self.transport
         if hook.mode == "daemon":
             return self._connect_daemon()
-        hosts = list(hook.hosts) or local_hosts(cfg.n_paths, os.environ.get("MASTER_ADDR"))
+        hosts = list(hook.resolved_hosts()) or local_hosts(
+            cfg.n_paths, os.environ.get("MASTER_ADDR")
+        )
         if len(hosts) != cfg.n_paths:
             raise ConfigError(f"{len(hosts)} host(s) {hosts} for n_paths={cfg.n_paths}")
         rdv = rendezvous

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 from gradlane.scheduling.errors import ConfigError, GradlaneError
-from gradlane.transport.drivers.peers import Address, Rendezvous
+from gradlane.transport.drivers.peers import Address, Rendezvous, check_address, check_port
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -95,6 +95,7 @@ class StoreRendezvous(Rendezvous):
             port = int(port_text)
         except ValueError:
             raise ConfigError(f"MASTER_PORT={port_text!r} is not a port number") from None
+        check_port(port, "MASTER_PORT")
         where = f"the TCPStore at {addr}:{port}"
         try:
             store = dist.TCPStore(
@@ -121,14 +122,17 @@ class StoreRendezvous(Rendezvous):
         )
 
     def publish(self, rank: int, addrs: Sequence[Address]) -> None:
-        """Store ``rank``'s addresses as JSON under ``<prefix><rank>``."""
-        value = [[str(host), int(port)] for host, port in addrs]
+        """Store ``rank``'s addresses as JSON under ``<prefix><rank>`` (each checked as
+        :func:`~gradlane.transport.drivers.peers.check_address` does, names resolved)."""
+        value = [list(check_address(a, f"rank {rank} path {p}")) for p, a in enumerate(addrs)]
         if not value:
             raise ConfigError(f"rank {rank}: needs at least one path address")
         self._store.set(str(rank), json.dumps(value))
 
     def addresses(self, rank: int) -> list[Address]:
-        """``rank``'s addresses; waits for them at most ``timeout_s``."""
+        """``rank``'s addresses; waits for them at most ``timeout_s``. Each is checked when
+        read (an IP literal or a name that resolves, a port in 1..65535): a ``ConfigError``
+        names the rank, the path and the key, rather than a timeout later."""
         key = str(rank)
         try:
             self._store.wait([key], datetime.timedelta(seconds=self.timeout_s))
@@ -141,12 +145,19 @@ class StoreRendezvous(Rendezvous):
                 f"restart count); is rank {rank} alive? ({e})"
             ) from e
         try:
-            return [(str(h), int(p)) for h, p in json.loads(raw)]
+            entry = json.loads(raw)
+            if not isinstance(entry, list) or not entry:
+                raise TypeError("not a non-empty list")
         except (ValueError, TypeError) as e:
             raise RendezvousError(
                 f"rank {rank}'s entry {self.prefix}{key} in {self.where} is not a list of "
                 f"[host, port] pairs: {raw[:80]!r}"
             ) from e
+        where = f"{self.where}, key {self.prefix}{key}"
+        return [
+            check_address(a, f"rank {rank} path {p} (published in {where})")
+            for p, a in enumerate(entry)
+        ]
 
 
 def local_hosts(n_paths: int, master_addr: str | None) -> list[str]:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import Any
 
+import numpy as np
 from gradlane.scheduling.loss import LossConfig
 from gradlane.scheduling.pacing import PacingConfig
 from gradlane.scheduling.paths import PathConfig
@@ -21,7 +25,15 @@ from gradlane.transport.errors import ConfigError
 from gradlane.transport.wire.header import HEADER_SIZE, ITEMSIZE, MAX_UDP_PAYLOAD
 from gradlane.transport.wire.tag import TagKey
 
-__all__ = ["TransportConfig", "loopback_config"]
+__all__ = [
+    "ENV_PREFIX",
+    "TransportConfig",
+    "check_types",
+    "env_field",
+    "env_settings",
+    "loopback_config",
+    "parse_env_value",
+]
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,7 @@ class TransportConfig:
     pacing: PacingConfig = field(default_factory=PacingConfig)
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name, kind in _NESTED.items():
             value = getattr(self, name)
             if not isinstance(value, kind):
@@ -140,6 +153,14 @@ class TransportConfig:
             raise ConfigError(f"ack_wait_s={self.ack_wait_s}: between 0 and 1 s (0 = no wait)")
         if self.step_window < 1:
             raise ConfigError("step_window must be >= 1")
+        if self.linger_s < 0:
+            raise ConfigError(f"linger_s={self.linger_s}: must be >= 0 seconds")
+        if self.early_buffer_bytes < 0:
+            raise ConfigError(
+                f"early_buffer_bytes={self.early_buffer_bytes}: must be >= 0 (0 = hold nothing)"
+            )
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed={self.seed}: a non-negative integer below 2**63")
 
     @property
     def tag_key(self) -> TagKey:
@@ -171,7 +192,9 @@ class TransportConfig:
         own = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
-            if key in nested:
+            if key in nested and isinstance(value, nested[key]):
+                kwargs[key] = value
+            elif key in nested:
                 if not isinstance(value, Mapping):
                     raise ConfigError(f"[{key}] must be a table of settings")
                 sub = nested[key]
@@ -193,20 +216,42 @@ class TransportConfig:
     ) -> TransportConfig:
         """Build from ``GRADLANE_*`` variables (``GRADLANE_LOSS__LOSS_BOUND=0.02`` for nested).
 
-        Values are parsed as int, float, bool or string, in that order; a list setting takes
-        comma-separated values (``GRADLANE_PRIORITY__PINNED_LAYERS=0,2``) or a single one.
+        A variable names its field case-insensitively (``GRADLANE_NIC_RATE_BPS`` sets
+        ``nic_rate_Bps``) and its value is parsed by the field's declared type
+        (:func:`parse_env_value`): a secret stays a string even when it is all digits, and a
+        list setting takes comma-separated values (``GRADLANE_PRIORITY__PINNED_LAYERS=0,2``).
+        ``overrides`` (field names, nested tables as mappings) win over the environment.
         """
         env = os.environ if environ is None else environ
         tree: dict[str, Any] = {}
-        for name, raw in env.items():
-            if not name.startswith("GRADLANE_") or name in _NOT_CONFIG:
+        for var, raw in env.items():
+            if not var.startswith(ENV_PREFIX) or var in _NOT_CONFIG:
                 continue
-            path = name[len("GRADLANE_") :].lower().split("__")
-            node = tree
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            node[path[-1]] = _parse_scalar(raw)
-        tree.update(overrides)
+            if var.startswith(_NOT_CONFIG_PREFIXES):
+                continue
+            parts = var[len(ENV_PREFIX) :].split("__")
+            if len(parts) == 1:
+                name, hint = env_field(cls, parts[0], var)
+                if name in _NESTED:
+                    raise ConfigError(
+                        f"{var}: [{name}] is a table; set one of its fields as "
+                        f"{ENV_PREFIX}{name.upper()}__<FIELD>"
+                    )
+                tree[name] = parse_env_value(var, raw, hint)
+            elif len(parts) == 2 and parts[0].lower() in _NESTED:
+                table = parts[0].lower()
+                name, hint = env_field(_NESTED[table], parts[1], var)
+                tree.setdefault(table, {})[name] = parse_env_value(var, raw, hint)
+            else:
+                raise ConfigError(
+                    f"unknown setting {var}: use {ENV_PREFIX}<FIELD> or "
+                    f"{ENV_PREFIX}<TABLE>__<FIELD> with a table in {sorted(_NESTED)}"
+                )
+        for key, value in overrides.items():
+            if key in _NESTED and isinstance(value, Mapping) and isinstance(tree.get(key), dict):
+                tree[key] = {**tree[key], **value}
+            else:
+                tree[key] = value
         return cls.from_mapping(tree)
 
 
@@ -219,34 +264,173 @@ _NESTED: dict[str, type] = {
     "pacing": PacingConfig,
 }
 
+#: The prefix of every gradlane environment variable.
+ENV_PREFIX = "GRADLANE_"
+
 #: GRADLANE_* variables that are not transport settings (read by other components).
-_NOT_CONFIG = frozenset({"GRADLANE_FASTMATH", "GRADLANE_MODE", "GRADLANE_LOG"})
+_NOT_CONFIG = frozenset(
+    {
+        "GRADLANE_FASTMATH",
+        "GRADLANE_MODE",
+        "GRADLANE_LOG",
+        "GRADLANE_NO_MMSG",
+        "GRADLANE_NO_GSO",
+        "GRADLANE_NO_GRO",
+        "GRADLANE_SHM_DIR",
+        "GRADLANE_TESTBED_USERNS",
+    }
+)
+#: Prefixes of other components' settings (the DDP hook's, the daemon's).
+_NOT_CONFIG_PREFIXES = ("GRADLANE_HOOK__", "GRADLANE_DAEMON__")
+
+_TRUE = frozenset({"true", "yes", "on", "1"})
+_FALSE = frozenset({"false", "no", "off", "0"})
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """Declared types of the init fields of dataclass ``cls`` (annotations are strings here:
+    resolved once per class)."""
+    found = _HINTS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        found = _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    return found
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def env_field(cls: type, key: str, var: str) -> tuple[str, Any]:
+    """The field of dataclass ``cls`` that ``key`` (from variable ``var``) names, matched
+    case-insensitively, and its declared type; a ``ConfigError`` listing the valid names."""
+    hints = _hints(cls)
+    by_lower = {name.lower(): name for name in hints}
+    name = by_lower.get(key.lower())
+    if name is None:
+        prefix = var[: len(var) - len(key)]
+        valid = sorted(prefix + n.upper() for n in hints)
+        raise ConfigError(f"unknown setting {var}; valid: {valid}")
+    return name, hints[name]
+
+
+def env_settings(cls: type, environ: Mapping[str, str], prefix: str) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` set by ``<prefix><FIELD>`` variables (one level, field
+    names matched case-insensitively, values parsed by :func:`parse_env_value`)."""
+    out: dict[str, Any] = {}
+    for var, raw in environ.items():
+        if var.startswith(prefix):
+            name, hint = env_field(cls, var[len(prefix) :], var)
+            out[name] = parse_env_value(var, raw, hint)
+    return out
+
+
+def parse_env_value(var: str, raw: str, hint: Any) -> Any:
+    """Environment variable ``var``'s text ``raw`` as a value of the declared type ``hint``.
+
+    ``bool``: true/yes/on/1 or false/no/off/0; ``int``, ``float``: Python literals; ``str``:
+    the text, stripped; ``str | None`` (a secret): the text as it is, '' = None; ``X | None``:
+    '' or ``none`` = None; a ``Literal``: one of its values; ``tuple[X, ...]``: comma-separated
+    (``;`` between the rows of a tuple of tuples). A list element that does not parse is passed
+    on as text, for the component's own check to judge with what it means; any other value
+    that does not parse is a ``ConfigError`` naming the variable.
+    """
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and type(None) in args:
+            if inner[0] in (str, bytes):
+                return (raw.encode() if inner[0] is bytes else raw) if raw else None
+            if raw.strip().lower() in ("", "none"):
+                return None
+            return parse_env_value(var, raw, inner[0])
+        return raw.strip()
+    if origin is tuple:
+        item = args[0] if args else str
+        if typing.get_origin(item) is tuple:
+            rows = [r for r in raw.split(";") if r.strip()]
+            return tuple(parse_env_value(var, r, item) for r in rows)
+        parts = [p.strip() for p in raw.split(",") if p.strip()]
+        return tuple(_lenient(var, p, item) for p in parts)
+    if origin is typing.Literal:
+        text = raw.strip()
+        for choice in args:
+            if str(choice) == text:
+                return choice
+        raise ConfigError(f"{var}={raw!r}: one of {', '.join(map(str, args))}")
+    if hint is bool:
+        low = raw.strip().lower()
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise ConfigError(f"{var}={raw!r}: a boolean (true/false, yes/no, on/off, 1/0)")
+    if hint in (int, float):
+        try:
+            return hint(raw.strip())
+        except ValueError:
+            what = "an integer" if hint is int else "a number"
+            raise ConfigError(f"{var}={raw!r}: {what}") from None
+    if hint is bytes:
+        return raw.encode()
+    if hint is str:
+        return raw.strip()
+    raise ConfigError(f"{var}: this setting cannot come from the environment (use TOML or code)")
+
+
+def check_types(config: object) -> None:
+    """``ConfigError`` for a field of dataclass ``config`` whose value is not of its declared
+    scalar type (an int for ``int``, a number for ``float``, a bool for ``bool``, text for
+    ``str``; ``None`` where allowed), naming the field, the value and the type wanted: a string
+    where a number belongs would otherwise fail later inside a comparison."""
+    for name, hint in _hints(type(config)).items():
+        value = getattr(config, name)
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+            if value is None:
+                continue
+            rest = [a for a in args if a is not type(None)]
+            check = _SCALAR_CHECKS.get(rest[0]) if len(rest) == 1 else None
+        else:
+            check = _SCALAR_CHECKS.get(hint)
+        if check is not None and not check[0](value):
+            raise ConfigError(f"{name}={value!r}: must be {check[1]}, got a {type(value).__name__}")
+
+
+#: Per scalar type: a test of a value, and the words for it.
+_SCALAR_CHECKS: dict[Any, tuple[Any, str]] = {
+    int: (lambda v: isinstance(v, Integral) and not isinstance(v, bool), "an integer"),
+    float: (lambda v: isinstance(v, Real) and not isinstance(v, bool), "a number"),
+    bool: (lambda v: isinstance(v, bool | np.bool_), "a boolean"),
+    str: (lambda v: isinstance(v, str), "text"),
+}
+
+
+def _lenient(var: str, raw: str, hint: Any) -> Any:
+    """A list element: parsed by ``hint``, else kept as text (see :func:`parse_env_value`)."""
+    try:
+        return parse_env_value(var, raw, hint)
+    except ConfigError:
+        return raw
 
 
 def _tuple(value: Any, wanted: bool = False) -> Any:
     """TOML arrays become tuples. For a tuple setting (``wanted``) a string is split at commas
-    (an environment variable's list) and a lone value becomes a one-tuple."""
+    (a flag's list) and a lone value becomes a one-tuple."""
     if isinstance(value, list | tuple):
         return tuple(value)
     if not wanted:
         return value
     if isinstance(value, str):
-        return tuple(_parse_scalar(part.strip()) for part in value.split(",") if part.strip())
+        return tuple(_number(part.strip()) for part in value.split(",") if part.strip())
     return (value,)
 
 
-def _parse_scalar(raw: str) -> Any:
-    low = raw.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
+def _number(text: str) -> Any:
+    """``text`` as an int or a float where it is one, else the text."""
     for conv in (int, float):
         try:
-            return conv(raw)
+            return conv(text)
         except ValueError:
             pass
-    return raw
+    return text
 
 
 def loopback_config(**overrides: Any) -> TransportConfig:

@@ -34,8 +34,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradlane.transport.config import TransportConfig, _parse_scalar, loopback_config
-from gradlane.transport.drivers.peers import Address
+from gradlane.transport.config import (
+    TransportConfig,
+    check_types,
+    env_settings,
+    loopback_config,
+)
+from gradlane.transport.drivers.peers import Address, check_host
 from gradlane.transport.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -43,7 +48,16 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["DAEMON_ENV_PREFIX", "DaemonConfig", "default_socket", "load", "parse_address"]
+__all__ = [
+    "DAEMON_ENV_PREFIX",
+    "MAX_IPC_PATH",
+    "DaemonConfig",
+    "check_ipc_path",
+    "default_socket",
+    "load",
+    "parse_address",
+    "resolve_address",
+]
 
 #: Environment variables of :class:`DaemonConfig` (``GRADLANE_DAEMON__HOST_RANK=1``).
 DAEMON_ENV_PREFIX = "GRADLANE_DAEMON__"
@@ -55,8 +69,11 @@ def default_socket(job: int) -> str:
     return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gradlane-{job}.sock")
 
 
-def parse_address(text: str, default_port: int = 0) -> Address:
-    """``"host:port"`` (or ``"[v6]:port"``, or a bare host with ``default_port``)."""
+def parse_address(text: str, default_port: int = 0, *, where: str = "address") -> Address:
+    """``"host:port"`` (or ``"[v6]:port"``, or a bare host with ``default_port``); the syntax
+    only (:func:`resolve_address` also checks that the host exists)."""
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: {text!r} is not a 'host:port' string")
     text = text.strip()
     host, sep, port = text.rpartition(":")
     if not sep or (text.count(":") > 1 and not text.startswith("[")):
@@ -65,10 +82,32 @@ def parse_address(text: str, default_port: int = 0) -> Address:
     try:
         p = int(port)
     except ValueError:
-        raise ConfigError(f"address {text!r}: the port {port!r} is not a number") from None
+        raise ConfigError(f"{where}: {text!r}: the port {port!r} is not a number") from None
     if not host or not 0 <= p < 65536:
-        raise ConfigError(f"address {text!r}: use host:port with a port in 0..65535")
+        raise ConfigError(f"{where}: {text!r}: use host:port with a port in 0..65535")
     return host, p
+
+
+def resolve_address(text: str, where: str, *, fixed_port: bool = False) -> Address:
+    """:func:`parse_address` with the host checked (an IP literal, or a name that resolves;
+    returned numeric) and, with ``fixed_port``, a port other than 0."""
+    host, port = parse_address(text, where=where)
+    if fixed_port and port == 0:
+        raise ConfigError(f"{where}: {text!r} needs a fixed port (host:port, port 1..65535)")
+    return check_host(host, where), port
+
+
+#: Longest path of an ``ipc://`` (AF_UNIX) socket: ``sun_path`` holds 108 bytes with the NUL.
+MAX_IPC_PATH = 107
+
+
+def check_ipc_path(path: str, where: str) -> None:
+    """``ConfigError`` when ``path`` cannot name an ``ipc://`` socket (too long for AF_UNIX)."""
+    if len(os.fsencode(path)) > MAX_IPC_PATH:
+        raise ConfigError(
+            f"{where}: {path!r} is {len(os.fsencode(path))} bytes; an IPC socket path is at "
+            f"most {MAX_IPC_PATH} (AF_UNIX): use a shorter path"
+        )
 
 
 @dataclass(frozen=True)
@@ -105,20 +144,37 @@ class DaemonConfig:
     """How long to wait for the other daemons' addresses."""
     transport: TransportConfig = field(default_factory=lambda: loopback_config(n_paths=1))
     """The inter-host engine's settings (``[transport]``; ``job``/``secret`` come from here)."""
+    _local: list[Address] = field(init=False, repr=False, compare=False, default_factory=list)
+    _table: list[list[Address]] = field(init=False, repr=False, compare=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        check_types(self)
+        if self.hosts < 1:
+            raise ConfigError(f"hosts={self.hosts}: at least 1 (the daemons of the job)")
         if not 0 <= self.host_rank < self.hosts:
             raise ConfigError(f"host_rank={self.host_rank} is not in [0, hosts={self.hosts})")
         if self.rendezvous not in _RENDEZVOUS:
             raise ConfigError(f"rendezvous={self.rendezvous!r}: one of {_RENDEZVOUS}")
         if not self.paths:
             raise ConfigError("paths: give at least one local address")
-        for p in self.paths:
-            parse_address(p)
+        local = [resolve_address(p, f"paths[{i}]") for i, p in enumerate(self.paths)]
         if len(self.paths) != self.transport.n_paths:
             raise ConfigError(
                 f"{len(self.paths)} path address(es) {list(self.paths)} but transport.n_paths="
                 f"{self.transport.n_paths}: give one address per path"
+            )
+        table: list[list[Address]] = []
+        for h, entry in enumerate(self.peers):
+            if isinstance(entry, str) or len(entry) != len(self.paths):
+                raise ConfigError(
+                    f"peers[{h}] has {1 if isinstance(entry, str) else len(entry)} "
+                    f"address(es), want {len(self.paths)} (one per path)"
+                )
+            table.append(
+                [
+                    resolve_address(a, f"peers[{h}] path {p}", fixed_port=True)
+                    for p, a in enumerate(entry)
+                ]
             )
         if self.hosts > 1 and self.rendezvous == "static":
             if len(self.peers) != self.hosts:
@@ -126,16 +182,28 @@ class DaemonConfig:
                     f"rendezvous='static' needs peers: one entry per host ({self.hosts}), "
                     f"got {len(self.peers)}"
                 )
-            for h, entry in enumerate(self.peers):
-                if len(entry) != len(self.paths):
+            for h, row in enumerate(table):
+                for p, ((host, _), (peer_host, _)) in enumerate(zip(local, row, strict=True)):
+                    if (":" in host) != (":" in peer_host):
+                        raise ConfigError(
+                            f"paths[{p}] {self.paths[p]!r} and peers[{h}] path {p} "
+                            f"{self.peers[h][p]!r} are of different IP versions: a path's "
+                            "addresses are all IPv4 or all IPv6"
+                        )
+            for p, (port, (_, own)) in enumerate(
+                zip((a[1] for a in local), table[self.host_rank], strict=True)
+            ):
+                if port != own:
                     raise ConfigError(
-                        f"peers[{h}] has {len(entry)} address(es), want {len(self.paths)}"
+                        f"paths[{p}] {self.paths[p]!r} binds port {port or 'any'} but "
+                        f"peers[{self.host_rank}] (this host) says {own}: the other daemons "
+                        "send to the peer list's port, so bind that one"
                     )
-                for a in entry:
-                    if parse_address(a)[1] == 0:
-                        raise ConfigError(f"peers[{h}]: {a!r} needs a fixed port")
         if self.hosts > 1 and self.rendezvous == "store":
-            parse_address(self.store or ":")
+            resolve_address(self.store or ":", "store", fixed_port=True)
+        if self.metrics:
+            resolve_address(self.metrics, "metrics")
+        check_ipc_path(self.socket_path, "socket")
         if self.local_world < 0 or self.max_segment_bytes < 1:
             raise ConfigError("local_world must be >= 0 (0 = learn) and max_segment_bytes >= 1")
         if self.slot_timeout_s < 0 or self.rendezvous_timeout_s <= 0:
@@ -146,6 +214,9 @@ class DaemonConfig:
                 "transport",
                 dataclasses.replace(self.transport, job=self.job, secret=self.secret),
             )
+        # Resolved once, here: the planes take numeric addresses.
+        object.__setattr__(self, "_local", local)
+        object.__setattr__(self, "_table", table)
 
     @property
     def socket_path(self) -> str:
@@ -158,15 +229,16 @@ class DaemonConfig:
         return self.slot_timeout_s or self.transport.loss.hard_deadline_s
 
     def local_addrs(self) -> list[Address]:
-        """The local ``(host, port)`` per path."""
-        return [parse_address(p) for p in self.paths]
+        """The local ``(host, port)`` per path (host names resolved)."""
+        return list(self._local)
 
     def peer_table(self) -> list[list[Address]]:
-        """The static peer list as addresses."""
-        return [[parse_address(a) for a in entry] for entry in self.peers]
+        """The static peer list as addresses (host names resolved); empty with one host or a
+        store rendezvous."""
+        return [list(entry) for entry in self._table]
 
 
-_DAEMON_FIELDS = {f.name for f in dataclasses.fields(DaemonConfig)} - {"transport"}
+_DAEMON_FIELDS = {f.name for f in dataclasses.fields(DaemonConfig) if f.init} - {"transport"}
 
 
 def load(
@@ -194,10 +266,7 @@ def load(
             raise ConfigError(f"{path}: unknown table(s) {bad}; valid: [daemon], [transport]")
     values: dict[str, Any] = dict(doc.get("daemon", {}))
     env = os.environ if environ is None else environ
-    for var, raw in env.items():
-        if var.startswith(DAEMON_ENV_PREFIX):
-            name = var[len(DAEMON_ENV_PREFIX) :].lower()
-            values[name] = raw.split(",") if name == "paths" else _parse_scalar(raw)
+    values.update(env_settings(DaemonConfig, env, DAEMON_ENV_PREFIX))
     values.update({k: v for k, v in (flags or {}).items() if v is not None})
     bad = sorted(set(values) - _DAEMON_FIELDS)
     if bad:
@@ -210,7 +279,8 @@ def load(
     if values.get("secret") is not None:
         values["secret"] = str(values["secret"])
     paths = values.get("paths", DaemonConfig.paths)
-    loopback = all(parse_address(p)[0].startswith("127.") for p in paths)
+    hosts = [resolve_address(p, f"paths[{i}]")[0] for i, p in enumerate(paths)]
+    loopback = all(h.startswith("127.") for h in hosts)
     base = loopback_config(n_paths=len(paths)) if loopback else TransportConfig(n_paths=len(paths))
     tree = _merge(dataclasses.asdict(base), doc.get("transport", {}))
     tree = _merge(tree, dict(transport_flags or {}))
