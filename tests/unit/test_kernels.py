@@ -772,7 +772,8 @@ def test_a_receiving_transfer_checks_packets_against_the_current_step_window() -
     arguments were prepared with."""
     from gradlane.scheduling.loss import LossPolicy
     from gradlane.transport.config import TransportConfig
-    from gradlane.transport.core.receiver import InKey, ReceiverCore
+    from gradlane.transport.core.incoming import InKey
+    from gradlane.transport.core.receiver import ReceiverCore
 
     cfg = TransportConfig(job=JOB)
     events: list = []

@@ -40,7 +40,7 @@ from gradlane.transport.core.events import (
     PeerTimedOut,
     TransferComplete,
 )
-from gradlane.transport.core.receiver import InKey
+from gradlane.transport.core.incoming import InKey
 from gradlane.transport.core.sender import OutKey
 from gradlane.transport.wire.header import DType, Phase, TransferSpec, chunk_counts
 

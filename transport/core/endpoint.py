@@ -40,7 +40,8 @@ from gradlane.scheduling.pacing import Pacer
 from gradlane.scheduling.priority import make_priority_policy
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.events import Datagram, DatagramRun, Event
-from gradlane.transport.core.receiver import InKey, ReceiverCore
+from gradlane.transport.core.incoming import InKey
+from gradlane.transport.core.receiver import ReceiverCore
 from gradlane.transport.core.sender import OutKey, SenderCore
 from gradlane.transport.kernels.batch import frame_rows, group_rows
 from gradlane.transport.wire.header import (

@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 from gradlane.scheduling.loss import Decision, LossPolicy
@@ -61,6 +59,7 @@ from gradlane.transport.core.events import (
     PeerTimedOut,
     TransferComplete,
 )
+from gradlane.transport.core.incoming import HeldRows, InKey, InTransfer
 from gradlane.transport.errors import PeerTimeout
 from gradlane.transport.kernels.batch import note_arrivals, pass_end_gaps
 from gradlane.transport.wire.header import (
@@ -71,11 +70,10 @@ from gradlane.transport.wire.header import (
     Reason,
     SessionSpec,
     TransferSpec,
-    chunk_counts,
     header_fields,
 )
 
-__all__ = ["CONTROL_OVERHEAD", "CONTROL_SHARE", "InKey", "InTransfer", "ReceiverCore"]
+__all__ = ["CONTROL_OVERHEAD", "CONTROL_SHARE", "ReceiverCore"]
 
 log = logging.getLogger(__name__)
 
@@ -86,102 +84,6 @@ CONTROL_SHARE = 8
 #: transfer's key and dict entries): header-only floods are bounded too.
 CONTROL_OVERHEAD = 512
 _OK = int(Reason.OK)
-
-
-class InKey(NamedTuple):
-    """Identity of an incoming transfer."""
-
-    step: int
-    bucket: int
-    shard: int
-    phase: int
-
-
-@dataclass(slots=True)
-class _Held:
-    """Early DATA rows of one transfer: ``rows`` of ``arena`` with their datagram ``lengths``
-    and ``paths`` (indexed by arena row), ``nbytes`` counted against ``early_buffer_bytes``.
-    ``arena`` is the endpoint's own receive batch, held in place (the endpoint writes no new
-    datagram into it until this is released), or a compact copy of the rows."""
-
-    arena: np.ndarray
-    lengths: np.ndarray
-    paths: np.ndarray
-    rows: np.ndarray
-    nbytes: int
-
-
-class InTransfer:
-    """State of one incoming shard. ``target`` is the accumulator (reduce) or output (gather);
-    ``stats``/``final`` as in :meth:`ReceiverCore.expect`."""
-
-    def __init__(
-        self,
-        key: InKey,
-        spec: TransferSpec,
-        senders: tuple[int, ...],
-        target: np.ndarray,
-        contrib: np.ndarray,
-        received: np.ndarray,
-        started: float,
-        stats: kernels.ChunkStats | None = None,
-        final: int = 0,
-        scale: float = 1.0,
-    ) -> None:
-        self.key = key
-        self.stats = stats  # filled by the reduce kernel as chunks complete (see expect)
-        self.final = final
-        self.scale = scale
-        self.spec = spec
-        self.senders = senders
-        self.target = target
-        self.contrib = contrib
-        self.received = received
-        self.started = started
-        # A gather (or pull) waits for its senders' reduce phases: its soft deadline (NACKs,
-        # lossy completion) runs from its first datagram; until then only the hard deadline
-        # applies (see ReceiverCore.restart_clock).
-        self.running = key.phase not in (Phase.GATHER, Phase.PULL)
-        self.counts = chunk_counts(spec.n_elems, spec.chunk_elems)
-        n_src = received.shape[0]
-        n = spec.n_chunks
-        rows = np.array([s - spec.src_lo for s in senders], dtype=np.int64)
-        self.rows = rows
-        self.expected = n * len(senders)
-        self.elems = spec.n_elems * len(senders)  # elements expected over all senders
-        self.got = int(received[rows].sum()) if n else 0
-        self.protected = np.zeros((n_src, n), dtype=bool)
-        self.manifest_known = np.zeros(n_src, dtype=bool)
-        self.abandoned = np.zeros((n_src, n), dtype=bool)
-        self.fin = np.zeros(n_src, dtype=bool)
-        self.pass_end = np.full(n_src, np.inf)  # when each sender's PASS_END chunk came
-        self.new_since_ack = np.zeros(n_src, dtype=np.int64)
-        self.ack_due = np.full(n_src, np.inf)
-        self.trigger = np.zeros(n_src, dtype=np.int64)
-        self.trigger_at = np.zeros(n_src, dtype=np.float64)
-        self.path = np.zeros(n_src, dtype=np.int64)
-        self.nack_at = -np.inf
-        self.nack_backoff = 1.0
-        self.got_at_nack = -1
-        self.check_at = np.inf
-        self.bytes_received = 0
-        self.last_data_at = started
-        self.duplicates = 0
-        self.rejected = 0
-        self.done = False
-        self.plan: kernels.ReceivePlan | None = None  # the receive kernels' checked arguments
-
-    @property
-    def gather(self) -> bool:
-        """True for the gather phase (place, do not add)."""
-        return self.key.phase in (Phase.GATHER, Phase.PULL)
-
-    def missing_elems(self) -> dict[int, int]:
-        """Elements not received, per sender."""
-        return {
-            s: int(self.counts[self.received[s - self.spec.src_lo] == 0].sum())
-            for s in self.senders
-        }
 
 
 class ReceiverCore:
@@ -216,7 +118,7 @@ class ReceiverCore:
         # answered HELD, not STOP, and the sender would wait out its hard deadline.
         self.linger_s = max(config.linger_s, config.loss.hard_deadline_s)
         # Held early DATA per transfer: rows of the endpoint's arena (pinned) or copies of them.
-        self.early: dict[InKey, list[_Held]] = {}
+        self.early: dict[InKey, list[HeldRows]] = {}
         # Held early MANIFEST/FIN: early_bytes + early_control_bytes <= early_buffer_bytes.
         self.early_control: dict[InKey, list[tuple[bytes, int]]] = {}
         self.early_bytes = 0
@@ -441,7 +343,9 @@ class ReceiverCore:
             if not rows.size:
                 return False
         if pin:
-            held = _Held(arena, lengths.copy(), paths.copy(), rows.copy(), rows.shape[0] * charge)
+            held = HeldRows(
+                arena, lengths.copy(), paths.copy(), rows.copy(), rows.shape[0] * charge
+            )
         else:
             held = self._copied(arena, paths, rows, sizes, width)
         self.early.setdefault(key, []).append(held)
@@ -460,11 +364,11 @@ class ReceiverCore:
     @staticmethod
     def _copied(
         arena: np.ndarray, paths: np.ndarray, rows: np.ndarray, sizes: np.ndarray, width: int
-    ) -> _Held:
+    ) -> HeldRows:
         """``rows`` of ``arena`` copied into a block ``width`` bytes wide."""
         block = arena[rows, :width]
         n = int(rows.shape[0])
-        return _Held(block, sizes, paths[rows], np.arange(n), block.nbytes)
+        return HeldRows(block, sizes, paths[rows], np.arange(n), block.nbytes)
 
     def _stop_late(self, key: InKey, src: int, now: float) -> None:
         """Answer a sender still talking about a finished transfer with STOP (rate-limited)."""
