@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gradlane.transport.kernels._common import copy_bytes
+from gradlane.transport.kernels import copy_bytes
 from numba import njit
 
 __all__ = [

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 from gradlane.transport.core.events import DatagramRun
-from gradlane.transport.kernels._common import copy_bytes
+from gradlane.transport.kernels import copy_bytes
 from gradlane.transport.wire.header import HEADER_SIZE
 from numba import njit
 
