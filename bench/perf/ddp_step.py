@@ -53,7 +53,6 @@ network measurement.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import inspect
 import json
@@ -67,12 +66,13 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 from gradlane.bench.demo.models import big_mlp
+from gradlane.transport.drivers.plane import PlaneWrapper
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -172,35 +172,19 @@ def busy_s(spans: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-class TimedPlane:
+class TimedPlane(PlaneWrapper):
     """A data plane, wrapped to time each collective from its submit (for a GPU bucket, once the
     hook has it in host memory) to its completion; otherwise the wrapped plane's."""
 
     def __init__(self, plane: Any) -> None:
-        self.plane = plane
+        super().__init__(plane)
         self._lock = threading.Lock()
         self._spans: dict[int, list[tuple[float, float]]] = {}
 
-    def submit(
-        self,
-        step: int,
-        bucket: int,
-        data: np.ndarray,
-        layer_position: float = 0.5,
-        dtype: int | None = None,
-        servers: Sequence[int] | None = None,
-        out: np.ndarray | None = None,
-        *,
-        scale: float = 1.0,
-        pinned: bool = False,
-    ) -> concurrent.futures.Future[Any]:
-        """Submit to the wrapped plane; its completion is timed before the caller sees it."""
+    def watch(self, step: int, bucket: int, data: np.ndarray) -> Callable[[Any], None]:
+        """Start the collective's clock; its completion stops it."""
         t0 = time.perf_counter()
-        cf = self.plane.submit(
-            step, bucket, data, layer_position, dtype, servers, out, scale=scale, pinned=pinned
-        )
-        cf.add_done_callback(lambda _: self._done(step, t0))
-        return cf
+        return lambda _: self._done(step, t0)
 
     def _done(self, step: int, t0: float) -> None:
         t1 = time.perf_counter()
@@ -211,18 +195,6 @@ class TimedPlane:
         """How long a collective of ``step`` was in flight (0.0 for a step not seen)."""
         with self._lock:
             return busy_s(self._spans.get(step, ()))
-
-    def stats(self) -> dict[str, Any]:
-        """The wrapped plane's counters."""
-        return dict(self.plane.stats())
-
-    def drain(self, timeout_s: float = 2.0) -> bool:
-        """The wrapped plane's drain."""
-        return bool(self.plane.drain(timeout_s))
-
-    def close(self) -> None:
-        """Close the wrapped plane."""
-        self.plane.close()
 
 
 # -- rank process ----------------------------------------------------------------------------------

@@ -17,35 +17,24 @@ import pytest
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.drivers.peers import StaticPeers
 from gradlane.transport.drivers.udp.plane import UdpPlane
-from gradlane.transport.wire.header import BITMAP_KINDS, Header, Kind, Phase, encode
+from gradlane.transport.wire.header import BITMAP_KINDS, Kind, Phase
+
+from tests.support.wire import forge
 
 WAIT_S = 60.0
 BITS = 8 * 60_000  # a bitmap claiming 480,000 chunks, in one 60 KB datagram
-
-
-def _forge(config: TransportConfig, kind: int, **fields: int) -> bytes:
-    """A datagram of ``kind`` from rank 1 to rank 0, header and tag valid for ``config``'s job:
-    bitmap kinds carry ``count`` set bits, DATA ``count`` float32 ones."""
-    h = Header(kind=kind, job=config.job, src=1, dst=0, **fields)
-    if kind in BITMAP_KINDS:
-        payload = b"\xff" * -(-h.count // 8)
-    elif kind == Kind.DATA:
-        payload = np.ones(h.count, np.float32).tobytes()
-    else:
-        payload = b""
-    return encode(h, payload, config.tag_key)
 
 
 def _hostile(config: TransportConfig, step: int) -> list[bytes]:
     """A HELLO about the running collective; one datagram of every Kind about bucket 5, which
     never runs; ACK and NACK about rank 0's running reduce-phase shard to rank 1 whose bitmaps
     claim far more chunks than it has."""
-    out = [_forge(config, Kind.HELLO, step=step)]
+    out = [forge(config, Kind.HELLO, step=step)]
     for kind in Kind:
         count = 1 if kind == Kind.DATA or kind in BITMAP_KINDS else 0
-        out.append(_forge(config, kind, step=step, bucket=5, count=count))
+        out.append(forge(config, kind, step=step, bucket=5, count=count))
     running = {"step": step, "bucket": 0, "shard": 1, "phase": Phase.REDUCE}
-    out += [_forge(config, k, count=BITS, **running) for k in (Kind.ACK, Kind.NACK)]
+    out += [forge(config, k, count=BITS, **running) for k in (Kind.ACK, Kind.NACK)]
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from gradlane.integrations.rendezvous import StoreRendezvous
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.events import CollectiveReport
 from gradlane.transport.drivers.futures import CollectiveResult
-from gradlane.transport.drivers.plane import Plane
+from gradlane.transport.drivers.plane import Plane, PlaneWrapper
 from torch import nn
 
 __all__ = ["RecordingPlane", "Submitted", "hook_state", "one_rank_group", "tiny_model"]
@@ -81,42 +81,28 @@ class Submitted:
         return int(self.view.ctypes.data)
 
 
-class RecordingPlane:
+class RecordingPlane(PlaneWrapper):
     """A real data plane, wrapped to record every collective the hook submits.
 
-    Its completion callback is added before the caller's, so it sees the result before the hook
-    writes it back. ``keep`` copies the submitted data and the result (memory: twice the
-    buckets per step); without it only the buffers' identities are kept.
+    Its completion callback runs before the caller's (:class:`PlaneWrapper`), so it sees the
+    result before the hook writes it back. ``keep`` copies the submitted data and the result
+    (memory: twice the buckets per step); without it only the buffers' identities are kept.
     """
 
     def __init__(self, plane: Plane, *, keep: bool = False) -> None:
-        self.plane = plane
+        super().__init__(plane)
         self.keep = keep
         self.records: list[Submitted] = []
         self._lock = threading.Lock()
 
-    def submit(
-        self,
-        step: int,
-        bucket: int,
-        data: np.ndarray,
-        layer_position: float = 0.5,
-        dtype: int | None = None,
-        servers: Sequence[int] | None = None,
-        out: np.ndarray | None = None,
-        *,
-        scale: float = 1.0,
-        pinned: bool = False,
-    ) -> concurrent.futures.Future[CollectiveResult]:
-        """Record, then submit to the wrapped plane."""
+    def watch(
+        self, step: int, bucket: int, data: np.ndarray
+    ) -> Callable[[concurrent.futures.Future[CollectiveResult]], None]:
+        """Record the submission; its result is recorded when it completes."""
         rec = Submitted(step, bucket, data, data.copy() if self.keep else None)
         with self._lock:
             self.records.append(rec)
-        cf = self.plane.submit(
-            step, bucket, data, layer_position, dtype, servers, out, scale=scale, pinned=pinned
-        )
-        cf.add_done_callback(lambda f: self._done(rec, f))
-        return cf
+        return lambda f: self._done(rec, f)
 
     def _done(self, rec: Submitted, f: concurrent.futures.Future[CollectiveResult]) -> None:
         try:
@@ -132,15 +118,3 @@ class RecordingPlane:
         """The step's collectives in bucket order."""
         with self._lock:
             return sorted((r for r in self.records if r.step == step), key=lambda r: r.bucket)
-
-    def stats(self) -> dict[str, Any]:
-        """The wrapped plane's."""
-        return self.plane.stats()
-
-    def drain(self, timeout_s: float = 2.0) -> bool:
-        """The wrapped plane's."""
-        return self.plane.drain(timeout_s)
-
-    def close(self) -> None:
-        """Close the wrapped plane."""
-        self.plane.close()

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.events import Datagram, flat
+from gradlane.transport.wire.header import BITMAP_KINDS, Header, Kind, encode
 
 
 @dataclass
@@ -85,3 +87,19 @@ class Wire:
             if self.now > max_time:
                 raise AssertionError(f"wire: simulated time passed {max_time}s")
         return self.now
+
+
+def forge(
+    config: TransportConfig, kind: int, *, src: int = 1, dst: int = 0, **fields: int
+) -> bytes:
+    """A packet of ``kind`` from ``src`` to ``dst`` with a valid header and tag under
+    ``config``'s job and key: what a peer, or anyone holding the secret, can send. Bitmap kinds
+    carry ``count`` set bits; DATA ``count`` float32 ones."""
+    h = Header(kind=kind, job=config.job, src=src, dst=dst, **fields)
+    if kind in BITMAP_KINDS:
+        payload = b"\xff" * -(-h.count // 8)
+    elif kind == Kind.DATA:
+        payload = np.ones(h.count, np.float32).tobytes()
+    else:
+        payload = b""
+    return encode(h, payload, config.tag_key)

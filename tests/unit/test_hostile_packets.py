@@ -13,26 +13,17 @@ from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.collective import TransposeAllReduce
 from gradlane.transport.core.events import AllReduceComplete, flat
 from gradlane.transport.core.receiver import CONTROL_OVERHEAD, CONTROL_SHARE
-from gradlane.transport.wire.header import BITMAP_KINDS, Header, Kind, Phase, encode
+from gradlane.transport.wire.header import BITMAP_KINDS, Kind, Phase
 
 from tests.support.cores import make, random_datas
-from tests.support.wire import Wire
+from tests.support.wire import Wire, forge
 
 STEP = 1
 
 
 def _forge(config: TransportConfig, kind: int, *, src: int, dst: int, **fields: int) -> bytes:
-    """A packet of ``kind`` from ``src`` to ``dst`` with a valid header and tag (signed with the
-    job's key): what a peer, or anyone holding the secret, can send. Bitmap kinds carry a
-    payload of ``count`` set bits; DATA one of ``count`` float32 ones."""
-    h = Header(kind=kind, job=config.job, src=src, dst=dst, **{"step": STEP, **fields})
-    if kind in BITMAP_KINDS:
-        payload = b"\xff" * -(-h.count // 8)
-    elif kind == Kind.DATA:
-        payload = np.ones(h.count, np.float32).tobytes()
-    else:
-        payload = b""
-    return encode(h, payload, config.tag_key)
+    """:func:`~tests.support.wire.forge` about step :data:`STEP` unless ``fields`` say another."""
+    return forge(config, kind, src=src, dst=dst, **{"step": STEP, **fields})
 
 
 def _every_kind(config: TransportConfig, src: int, dst: int) -> list[bytes]:

@@ -19,13 +19,13 @@ signatures: mypy checks those wherever a plane is used as a ``Plane``).
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from gradlane.transport.drivers.futures import CollectiveResult
 
-__all__ = ["Plane"]
+__all__ = ["Plane", "PlaneWrapper"]
 
 
 @runtime_checkable
@@ -76,3 +76,58 @@ class Plane(Protocol):
     def close(self) -> None:
         """Fail in-flight work and release sockets and threads (idempotent)."""
         ...
+
+
+#: What :meth:`PlaneWrapper.watch` may return: a callback for the collective's Future.
+DoneCallback = Callable[[concurrent.futures.Future[CollectiveResult]], None]
+
+
+class PlaneWrapper:
+    """A :class:`Plane` around another one, for tools that watch what a hook submits (a
+    benchmark timing its collectives, a test recording them): every call goes to ``plane``.
+
+    Subclasses override :meth:`watch`, called with each submission before it goes on; the
+    callback it returns is added to the collective's Future before the caller's, so it sees
+    the result before the hook writes it back.
+    """
+
+    def __init__(self, plane: Plane) -> None:
+        self.plane = plane
+
+    def watch(self, step: int, bucket: int, data: np.ndarray) -> DoneCallback | None:
+        """Called for each submission; the callback to run when it completes, if any."""
+        return None
+
+    def submit(
+        self,
+        step: int,
+        bucket: int,
+        data: np.ndarray,
+        layer_position: float = 0.5,
+        dtype: int | None = None,
+        servers: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
+        *,
+        scale: float = 1.0,
+        pinned: bool = False,
+    ) -> concurrent.futures.Future[CollectiveResult]:
+        """:meth:`watch`, then the wrapped plane's :meth:`Plane.submit`."""
+        done = self.watch(step, bucket, data)
+        cf = self.plane.submit(
+            step, bucket, data, layer_position, dtype, servers, out, scale=scale, pinned=pinned
+        )
+        if done is not None:
+            cf.add_done_callback(done)
+        return cf
+
+    def stats(self) -> dict[str, Any]:
+        """The wrapped plane's counters."""
+        return self.plane.stats()
+
+    def drain(self, timeout_s: float = 2.0) -> bool:
+        """The wrapped plane's drain."""
+        return self.plane.drain(timeout_s)
+
+    def close(self) -> None:
+        """Close the wrapped plane."""
+        self.plane.close()
