@@ -7,6 +7,7 @@ Usage::
     python -m gradlane.bench.perf.allreduce --daemon --json bench/results/allreduce_daemon.json
     python -m gradlane.bench.perf.allreduce --chunk-bytes 1408 --offload-compare --no-zmq --sizes 25
     python -m gradlane.bench.perf.allreduce --zmq-batch-compare --sizes 25 --reps 9
+    python -m gradlane.bench.perf.allreduce --keyed-compare --no-zmq --ranks 2 --sizes 25 --reps 9
 
 ``--chunk-bytes`` sets the UDP datagrams' payload (65000 by default, loopback's largest; 1408
 is what a 1500-byte MTU carries, 8192 a jumbo frame's), and ``--offload-compare`` adds the
@@ -19,6 +20,10 @@ kernel's per-datagram cost off the path; ``summary.gso_only_vs_offload`` and
 ``--zmq-batch-compare`` adds a second ZeroMQ plane that sends one packet per frame
 (``zmq_unbatched``, ``batch_bytes=0``) next to the default one, which packs each run into
 frames of up to 1 MiB; ``summary.zmq_unbatched_vs_zmq`` gives the ratio.
+
+``--keyed-compare`` adds the reliable UDP engine with a job secret (``udp_keyed``: every packet
+carries the keyed MAC instead of the checksum), interleaved; ``summary.udp_keyed_vs_unkeyed``
+gives its ratio to the default engine: what authentication costs.
 
 ``--daemon`` compares hierarchical daemon mode with the embedded engine for the same 4-rank
 all-reduce: two "hosts" of two ranks, one ``gradlane daemon`` process per host (host h on
@@ -73,13 +78,16 @@ import numpy as np
 
 MB = 1 << 20
 TRANSPORTS = (
-    "gloo", "udp_reliable", "udp_gso_only", "udp_no_offload", "udp_bounded", "zmq",
+    "gloo", "udp_reliable", "udp_keyed", "udp_gso_only", "udp_no_offload", "udp_bounded", "zmq",
     "zmq_unbatched", "daemon",
 )  # fmt: skip
+#: ``--keyed-compare``: the job secret of the keyed engine (the same on every rank).
+KEYED_SECRET = "gradlane-bench-keyed"
 #: ``--offload-compare``: the reliable engine again with UDP GRO off, and with GSO and GRO off.
 OFFLOAD_VARIANTS = {"udp_gso_only": (True, False), "udp_no_offload": (False, False)}
 SUMMARY_KEYS = {
     "udp_reliable": "udp_reliable_vs_gloo",
+    "udp_keyed": "udp_keyed_vs_gloo",
     "udp_gso_only": "udp_gso_only_vs_gloo",
     "udp_no_offload": "udp_no_offload_vs_gloo",
     "udp_bounded": "udp_bounded_vs_gloo",
@@ -108,12 +116,14 @@ def _udp_config(
     gso: bool = True,
     gro: bool = True,
     seed: int = 0,
+    secret: str | None = None,
 ) -> Any:
     from gradlane.scheduling.loss import LossConfig
     from gradlane.transport.config import loopback_config
 
     return loopback_config(
         n_paths=N_PATHS,
+        secret=secret,
         chunk_bytes=chunk_bytes,
         udp_gso=gso,
         udp_gro=gro,
@@ -140,13 +150,17 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
     closers: list[Any] = []
     try:
         engines: dict[str, Any] = {}
-        kinds = [("udp_reliable", 0.0, True, True)]
+        kinds: list[tuple[str, float, bool, bool, str | None]] = [
+            ("udp_reliable", 0.0, True, True, None)
+        ]
+        if args["keyed_compare"]:
+            kinds.append(("udp_keyed", 0.0, True, True, KEYED_SECRET))
         if args["offload_compare"]:
-            kinds += [(name, 0.0, *flags) for name, flags in OFFLOAD_VARIANTS.items()]
+            kinds += [(name, 0.0, *flags, None) for name, flags in OFFLOAD_VARIANTS.items()]
         if not args["daemon"]:
-            kinds.append(("udp_bounded", args["loss_bound"], True, True))
-        for name, bound, gso, gro in kinds:
-            cfg = _udp_config(bound, args["chunk_bytes"], gso, gro, args["seed"])
+            kinds.append(("udp_bounded", args["loss_bound"], True, True, None))
+        for name, bound, gso, gro, secret in kinds:
+            cfg = _udp_config(bound, args["chunk_bytes"], gso, gro, args["seed"], secret)
             loss = args["inject_loss"]
             tap = InjectedLoss(loss, seed=args["seed"]) if loss else None
             e = UdpPlane(rank, world, cfg, rx_tap=tap)
@@ -481,6 +495,10 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     emb = float(np.median(times["udp_reliable"][mb_key]))
                     row["ratio_to_embedded"] = med / emb
                     summary["daemon_vs_embedded"][f"{world}x{mb:g}"] = med / emb
+                if t == "udp_keyed":  # the same engine with a job secret, against it
+                    plain = float(np.median(times["udp_reliable"][mb_key]))
+                    row["ratio_to_unkeyed"] = med / plain
+                    summary.setdefault("udp_keyed_vs_unkeyed", {})[f"{world}x{mb:g}"] = med / plain
                 if t in OFFLOAD_VARIANTS:  # the same engine without (some) offloads, against it
                     full = float(np.median(times["udp_reliable"][mb_key]))
                     row["ratio_to_offload"] = med / full
@@ -551,6 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         "and GRO off (udp_no_offload), interleaved",
     )
     ap.add_argument(
+        "--keyed-compare",
+        action="store_true",
+        help="also run the reliable UDP engine with a job secret (udp_keyed), interleaved",
+    )
+    ap.add_argument(
         "--zmq-batch-compare",
         action="store_true",
         help="also run a ZeroMQ plane sending one packet per frame (zmq_unbatched), interleaved",
@@ -592,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,
             "zmq": not ns.no_zmq, "daemon": ns.daemon, "chunk_bytes": ns.chunk_bytes,
             "inject_loss": ns.inject_loss, "loss_bound": ns.loss_bound,
-            "offload_compare": ns.offload_compare,
+            "offload_compare": ns.offload_compare, "keyed_compare": ns.keyed_compare,
             "zmq_batch_compare": ns.zmq_batch_compare and not ns.no_zmq}  # fmt: skip
     per_world: dict[int, dict[str, Any]] = {}
     for world in ranks:

@@ -8,8 +8,8 @@ for reduce), single-threaded, after a warm-up; the figures are medians. Throughp
 bytes (the shard), so the headers a kernel writes or reads on top are its own overhead.
 
 "send" is what a sender runs per shard: :func:`kernels.chunk_stats` (one read: norms and tag
-sums) and :func:`kernels.write_headers` (a 48-byte header per chunk; a SipHash key reads the
-payload again). The payload itself is never copied: the kernel's ``sendmmsg`` gathers it.
+sums, fast or keyed) and :func:`kernels.write_headers` (a 48-byte header per chunk from those
+sums). The payload itself is never copied: the kernel's ``sendmmsg`` gathers it.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _pack_reduce_place(
 
     def do_send(key: TagKey = fast, data: np.ndarray = src, dtype: DType = DType.F32) -> int:
         elems = payload // data.itemsize
-        stats = kernels.chunk_stats(data, dtype=dtype, chunk_elems=elems)
+        stats = kernels.chunk_stats(data, dtype=dtype, chunk_elems=elems, key=key)
         hdr = np.empty((stats.norms.shape[0], HEADER_SIZE), dtype=np.uint8)
         zero = np.zeros(stats.norms.shape[0], dtype=np.uint8)
         return kernels.write_headers(
@@ -189,10 +189,29 @@ def _pack_reduce_place(
         return
 
     tk, tb, ratio = _interleaved(lambda: do_send(keyed), do_copy, reps)
-    _row(results, kernel="send_siphash", size_MB=size_mb, payload_B=payload,
+    _row(results, kernel="send_keyed", size_MB=size_mb, payload_B=payload,
          GBps=nbytes / tk / 1e9, baseline="np.copyto", baseline_GBps=nbytes / tb / 1e9,
          ratio=ratio)  # fmt: skip
-    summary[f"send_siphash_GBps_{size_mb}MB{tag}"] = round(nbytes / tk / 1e9, 2)
+    summary[f"send_keyed_GBps_{size_mb}MB{tag}"] = round(nbytes / tk / 1e9, 2)
+
+    # The keyed receive: the same packets under the job key, checked and added.
+    kernels.pack(src, arena, lengths, dtype=DType.F32, header=header, chunk_elems=ce, key=keyed)
+    keyed_session = SessionSpec(job=1, me=0, world=2, key=keyed)
+
+    def do_reduce_keyed() -> int:
+        return kernels.reduce_into(
+            arena, lengths, accum, contrib, received,
+            session=keyed_session, transfer=transfer, counters=counters,
+        )  # fmt: skip
+
+    counters[:] = 0
+    tk, tb, ratio = _interleaved(do_reduce_keyed, do_iadd, reps, setup=reset)
+    if counters[0] != (reps + 1) * transfer.n_chunks:
+        raise RuntimeError(f"keyed reduce_into rejected packets: {counters.tolist()}")
+    _row(results, kernel="reduce_keyed", size_MB=size_mb, payload_B=payload,
+         GBps=nbytes / tk / 1e9, baseline="dst += src", baseline_GBps=nbytes / tb / 1e9,
+         ratio=ratio)  # fmt: skip
+    summary[f"reduce_keyed_vs_iadd_{size_mb}MB{tag}"] = round(ratio, 3)
 
     half = src.astype(np.float16).view(np.uint16)
     for name, wire in (("send_bf16", DType.BF16), ("send_f16", DType.F16)):

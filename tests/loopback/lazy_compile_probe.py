@@ -109,7 +109,7 @@ def main() -> None:
     bounded = LossConfig(loss_bound=0.05)
     where = tempfile.mkdtemp(prefix="gl-warm-", dir="/tmp")  # ipc:// paths must be short
     runs: list[Callable[[], list[Any]]] = [
-        # Reliable, the losses recovered; bounded; a keyed job (its headers carry a SipHash).
+        # Reliable, the losses recovered; bounded; a keyed job (its packets carry the keyed MAC).
         lambda: udp(2, loopback_config(seed=1), inject_loss=0.05),
         lambda: udp(3, loopback_config(seed=2, loss=bounded), inject_loss=0.05),
         lambda: udp(2, loopback_config(secret="warm", loss=bounded)),

@@ -813,3 +813,36 @@ def test_path_accounting_drains_when_transfers_end(loss_bound):
     for s in senders:
         for peer, ps in s.paths.items():
             np.testing.assert_array_equal(ps.outstanding, 0.0, err_msg=f"peer {peer}")
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+def test_nonfinite_values_are_reported_by_every_rank(dtype: DType) -> None:
+    """A NaN in one rank's contribution and an infinity in another's make their chunks of the
+    sum non-finite: the owner of each such shard sees it in its reduce report (from the chunk
+    norms), every other rank in its gather reports (from the place kernel); a clean collective
+    reports none."""
+    world, n = 3, 6000
+    rng = np.random.default_rng(3)
+    clean = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    dirty = [d.copy() for d in clean]
+    dirty[1][10] = np.nan  # shard 0 (rank 0 owns elements [0, 2000))
+    dirty[2][4500] = np.inf  # shard 2
+
+    def words(xs: list[np.ndarray]) -> list[np.ndarray]:
+        if dtype == DType.F32:
+            return xs
+        out = []
+        for x in xs:
+            w = np.empty(n, dtype=np.uint16)
+            from_f32(x, dtype, w)
+            out.append(w)
+        return out
+
+    for datas, bad in ((clean, 0), (dirty, 2)):
+        eps = make(world)
+        out = run_allreduce(eps, words(datas), Wire(eps), dtype=dtype)
+        for r in range(world):
+            rep = out[r].report
+            assert rep.nonfinite_chunks == bad, (r, rep)
+            own = 1 if bad and r in (0, 2) else 0
+            assert rep.reduce.nonfinite_chunks == own

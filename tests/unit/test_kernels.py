@@ -131,7 +131,7 @@ PACK_SHAPES = [(1, 1), (7, 3), (100, 32), (257, 64), (1001, 100), (4096, 2048), 
 
 
 @pytest.mark.parametrize("dtype", list(DType))
-@pytest.mark.parametrize("keyed", [False, True], ids=["fast", "siphash"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["fast", "keyed"])
 @pytest.mark.parametrize(("n", "chunk_elems"), PACK_SHAPES)
 def test_pack_matches_naive_byte_for_byte(
     dtype: DType, keyed: bool, n: int, chunk_elems: int
@@ -179,7 +179,7 @@ def test_headers_plus_payload_views_are_the_packed_datagrams(
     dtype: DType, n: int, chunk_elems: int, first: int, keyed: bool, seed: int
 ) -> None:
     """Zero-copy sending: ``write_headers`` row ``c`` followed by the source bytes of chunk
-    ``c`` is byte for byte the datagram the naive packer builds (fast and SipHash tags), and
+    ``c`` is byte for byte the datagram the naive packer builds (fast and keyed tags), and
     ``chunk_stats`` norms are the numpy norms."""
     rng = np.random.default_rng(seed)
     src = shard(rng, n, dtype)
@@ -187,7 +187,7 @@ def test_headers_plus_payload_views_are_the_packed_datagrams(
     prio = rng.integers(0, 8, n_chunks).astype(np.uint8)
     flags = rng.integers(0, 32, n_chunks).astype(np.uint8)
     key = KEYED if keyed else TagKey()
-    stats = kernels.chunk_stats(src, dtype=dtype, chunk_elems=chunk_elems)
+    stats = kernels.chunk_stats(src, dtype=dtype, chunk_elems=chunk_elems, key=key)
     ref_norms, _ = naive.chunk_norms(src, dtype, chunk_elems)
     np.testing.assert_allclose(stats.norms, ref_norms, rtol=1e-5)
     rows = np.full((n_chunks, 48), 0xEE, dtype=np.uint8)
@@ -209,7 +209,7 @@ def test_headers_plus_payload_views_are_the_packed_datagrams(
 
 def test_write_headers_rejects_wrong_shapes() -> None:
     src = np.ones(100, np.float32)
-    stats = kernels.chunk_stats(src, dtype=DType.F32, chunk_elems=32)
+    stats = kernels.chunk_stats(src, dtype=DType.F32, chunk_elems=32, key=TagKey())
     args = {"dtype": DType.F32, "header": header(), "key": TagKey()}
     prio = np.zeros(4, np.uint8)
     with pytest.raises(ValueError, match="hdr must be uint8"):
@@ -269,13 +269,13 @@ def test_pack_and_chunk_stats_norms_of_special_values() -> None:
     norms = np.empty(4, np.float32)
     maxabs = np.empty(4, np.float32)
     pack_all(src, DType.F32, 2, TagKey(), header(), norms=norms, maxabs=maxabs)
-    stats = kernels.chunk_stats(src, dtype=DType.F32, chunk_elems=2)
+    stats = kernels.chunk_stats(src, dtype=DType.F32, chunk_elems=2, key=TagKey())
     for got in (norms, stats.norms):
         assert np.isinf(got[0]) and np.isnan(got[1]) and got[2] == 5.0 and got[3] == 0.0
     assert np.isinf(maxabs[0]) and np.isnan(maxabs[1]) and maxabs[2] == 4.0
     assert maxabs[3] == 0.0 and not np.signbit(maxabs[3])
     bf = np.array([0x3F80, 0xBFC0, 0x7FC0, 0x0000], dtype=np.uint16)  # 1, -1.5, nan, 0
-    stats = kernels.chunk_stats(bf, dtype=DType.BF16, chunk_elems=2)
+    stats = kernels.chunk_stats(bf, dtype=DType.BF16, chunk_elems=2, key=TagKey())
     assert np.isclose(stats.norms[0], np.sqrt(3.25)) and np.isnan(stats.norms[1])
 
 
@@ -283,7 +283,7 @@ def test_pack_and_chunk_stats_norms_of_special_values() -> None:
 @pytest.mark.parametrize(("n", "chunk_elems"), [(0, 4), (1, 1), (1000, 33), (4097, 1024)])
 def test_chunk_stats_norms_match_numpy(dtype: DType, n: int, chunk_elems: int) -> None:
     src = shard(np.random.default_rng(n), n, dtype)
-    stats = kernels.chunk_stats(src, dtype=dtype, chunk_elems=chunk_elems)
+    stats = kernels.chunk_stats(src, dtype=dtype, chunk_elems=chunk_elems, key=KEYED)
     ref_norms, _ = naive.chunk_norms(src, dtype, chunk_elems)
     assert stats.norms.dtype == np.float32 and stats.sum_a.dtype == np.uint64
     np.testing.assert_allclose(stats.norms, ref_norms, rtol=1e-5)
@@ -790,3 +790,36 @@ def test_a_receiving_transfer_checks_packets_against_the_current_step_window() -
         rc.on_data(t, arena, lengths, np.array([0]), np.zeros(1, np.int64), 0.0, sess)
         assert int(received[1, chunk]) == accepted
         assert int(rc.counters[Reason.STALE_STEP]) - before == 1 - accepted
+
+
+@SETTINGS
+@given(
+    dtype=st.sampled_from(list(DType)),
+    n=st.integers(1, 300),
+    chunk_elems=st.integers(1, 64),
+    specials=st.lists(st.tuples(st.integers(0, 299), st.sampled_from(["nan", "inf", "-inf"]))),
+)
+def test_place_flags_exactly_the_chunks_holding_nan_or_inf(
+    dtype: DType, n: int, chunk_elems: int, specials: list[tuple[int, str]]
+) -> None:
+    values = np.random.default_rng(n).standard_normal(n).astype(np.float32) * 1e3
+    for i, v in specials:
+        if i < n:
+            values[i] = float(v)
+    src = values if dtype != DType.F16 else values.astype(np.float16).view(np.uint16)
+    if dtype == DType.BF16:
+        src = (values.view(np.uint32) >> 16).astype(np.uint16)
+    packets = pack_all(src, dtype, chunk_elems, TagKey(), header(src=2, phase=Phase.GATHER))
+    spec = transfer(dtype, n, chunk_elems, phase=Phase.GATHER)
+    arena, lengths = arena_of(packets)
+    out = np.zeros(n, dtype=np.float32 if dtype == DType.F32 else np.uint16)
+    received = np.zeros((WORLD, spec.n_chunks), dtype=np.uint8)
+    nonfinite = np.zeros(spec.n_chunks, dtype=np.uint8)
+    kernels.place_into(
+        arena, lengths, out, received, session=session(), transfer=spec,
+        counters=np.zeros(N_REASONS, np.int64), nonfinite=nonfinite,
+    )  # fmt: skip
+    as32 = naive.as_float32(naive.wire_bits(src, dtype), dtype)
+    want = [not np.isfinite(as32[c * chunk_elems : (c + 1) * chunk_elems]).all()
+            for c in range(spec.n_chunks)]  # fmt: skip
+    assert nonfinite.astype(bool).tolist() == want

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.kernel_inputs import (
+    KEYED,
     SETTINGS,
     WORLD,
     arena_of,
@@ -30,10 +31,11 @@ from tests.support.kernel_inputs import (
     chunk_elems=st.sampled_from([1, 3, 32, 100]),
     senders=st.integers(1, 3),
     scale=st.sampled_from([1.0, 0.25, 1 / 3]),
+    key=st.sampled_from([TagKey(), KEYED]),
     data=st.data(),
 )
 def test_reduce_takes_the_statistics_of_each_chunk_its_last_contribution_completes(
-    n: int, chunk_elems: int, senders: int, scale: float, data
+    n: int, chunk_elems: int, senders: int, scale: float, key: TagKey, data
 ) -> None:
     """With ``stats``, a chunk whose contributor count reaches ``final`` is multiplied by
     ``scale`` once and carries exactly chunk_stats' norm and tag sums of the result; every
@@ -44,7 +46,7 @@ def test_reduce_takes_the_statistics_of_each_chunk_its_last_contribution_complet
     packets = [
         p
         for s in range(senders)
-        for p in pack_all(shards[s], DType.F32, chunk_elems, TagKey(), header(src=s))
+        for p in pack_all(shards[s], DType.F32, chunk_elems, key, header(src=s))
     ]
     picks = data.draw(st.lists(st.integers(0, len(packets) - 1), max_size=2 * len(packets)))
     n_chunks = -(-n // chunk_elems)
@@ -56,7 +58,7 @@ def test_reduce_takes_the_statistics_of_each_chunk_its_last_contribution_complet
     sentinel = (np.float32(-7.0), np.uint64(0xDEAD), np.uint64(0xBEEF))
     stats = kernels.ChunkStats(*(np.full(n_chunks, v) for v in sentinel))
     own = accum.copy()
-    plan = kernels.prepare_receive(session(), spec, accum, contrib, received, counters,
+    plan = kernels.prepare_receive(session(key), spec, accum, contrib, received, counters,
                                    place=False, stats=stats, final=senders + 1,
                                    scale=scale)  # fmt: skip
     # Two batches: a chunk may complete in either, and its statistics must follow the last add.
@@ -80,7 +82,7 @@ def test_reduce_takes_the_statistics_of_each_chunk_its_last_contribution_complet
         a, b = c * chunk_elems, min((c + 1) * chunk_elems, n)
         ref[a:b] *= np.float32(scale)
     assert np.array_equal(accum.view(np.uint32), ref.view(np.uint32))
-    want = kernels.chunk_stats(accum, dtype=DType.F32, chunk_elems=chunk_elems)
+    want = kernels.chunk_stats(accum, dtype=DType.F32, chunk_elems=chunk_elems, key=key)
     for got, ref, fill in zip(stats, want, sentinel, strict=True):
         assert np.array_equal(got[done].view(np.uint8), ref[done].view(np.uint8))
         assert np.all(got[~done] == fill)

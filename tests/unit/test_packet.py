@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 from gradlane.transport.errors import ProtocolError
@@ -29,8 +31,10 @@ from gradlane.transport.wire.header import (
     validate_data_rows,
 )
 from gradlane.transport.wire.tag import (
+    MAX_TAGGED_BYTES,
+    NH_KEY_WORDS,
     TAG_FAST,
-    TAG_SIPHASH,
+    TAG_KEYED,
     TagKey,
     fast_tag,
     packet_tag,
@@ -86,7 +90,7 @@ FIELD_RANGES = {
 }
 KEYS = st.one_of(
     st.just(TagKey()),
-    st.builds(TagKey, st.just(TAG_SIPHASH), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
+    st.builds(TagKey, st.just(TAG_KEYED), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
 )
 
 
@@ -105,6 +109,29 @@ def reference_fast_tag(packet: bytes) -> int:
     for mult in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
         x = _mask64((x ^ (x >> 33)) * mult)
     return x ^ (x >> 33)
+
+
+def reference_keyed_tag(packet: bytes, key: TagKey) -> int:
+    """The keyed tag exactly as tag.py's docstring defines it, in plain Python integers (its
+    SipHash-2-4 is held to the published test vectors below)."""
+    k01 = key.k0.to_bytes(8, "little") + key.k1.to_bytes(8, "little")
+    stream = hashlib.shake_256(b"gradlane-nh-v1" + k01).digest(8 * NH_KEY_WORDS)
+    kw = [int.from_bytes(stream[8 * i : 8 * i + 8], "little") for i in range(NH_KEY_WORDS)]
+    msg = packet + b"\0" * (-len(packet) % 8)
+    h1 = h2 = 0
+    for i in range(len(msg) // 8):
+        if i == 5:  # the tag field
+            continue
+        m = int.from_bytes(msg[8 * i : 8 * i + 8], "little")
+        for shift, acc in ((0, 1), (2, 2)):
+            k = kw[i + shift]
+            v = ((m + k) & 0xFFFFFFFF) * (((m >> 32) + (k >> 32)) & 0xFFFFFFFF)
+            if acc == 1:
+                h1 = _mask64(h1 + v)
+            else:
+                h2 = _mask64(h2 + v)
+    words = h1.to_bytes(8, "little") + h2.to_bytes(8, "little") + len(packet).to_bytes(8, "little")
+    return siphash24(k01, words)
 
 
 # --- encode / decode --------------------------------------------------------------------------
@@ -203,13 +230,10 @@ def test_fast_tag_is_the_documented_formula(fields: dict, payload: bytes) -> Non
     payload=st.binary(min_size=1, max_size=300),
     key=KEYS,
 )
-def test_keyed_tag_is_siphash_of_header_and_payload(
-    fields: dict, payload: bytes, key: TagKey
-) -> None:
+def test_keyed_tag_is_the_documented_formula(fields: dict, payload: bytes, key: TagKey) -> None:
     data = encode(Header(**fields), payload, key)
     if key.keyed:
-        key16 = key.k0.to_bytes(8, "little") + key.k1.to_bytes(8, "little")
-        assert packet_tag(data, key) == siphash24(key16, data[:40] + data[48:])
+        assert packet_tag(data, key) == reference_keyed_tag(data, key)
     assert int.from_bytes(data[40:48], "little") == packet_tag(data, key)
 
 
@@ -262,7 +286,7 @@ def test_tag_key_from_secret() -> None:
     assert TagKey.from_secret(None) == TagKey() == TagKey.from_secret("")
     assert not TagKey().keyed
     key = TagKey.from_secret("s3cret")
-    assert key.keyed and key.mode == TAG_SIPHASH
+    assert key.keyed and key.mode == TAG_KEYED
     assert key == TagKey.from_secret(b"s3cret")
     assert key != TagKey.from_secret("other")
     assert TagKey().mode == TAG_FAST
@@ -547,3 +571,37 @@ def test_bitmap_is_little_endian_and_length_checked() -> None:
     with pytest.raises(ProtocolError) as info:
         decode_bitmap(b"\x01", 9)
     assert info.value.reason == Reason.COUNT_MISMATCH
+
+
+def test_keyed_key_words_come_from_k0_k1_only_and_are_read_only() -> None:
+    key = TagKey.from_secret("s3cret")
+    words = key.words
+    assert words.dtype == np.uint64 and words.shape == (2 + NH_KEY_WORDS,)
+    assert not words.flags.writeable
+    assert (TagKey(TAG_KEYED, key.k0, key.k1).words == words).all()
+    other = TagKey(TAG_KEYED, key.k0, key.k1 ^ 1).words
+    assert (other[2:] != words[2:]).mean() > 0.99
+    assert TagKey().words.tolist() == [0, 0]
+
+
+def test_a_keyed_tag_refuses_a_message_longer_than_its_key_stream() -> None:
+    with pytest.raises(ValueError, match="at most"):
+        packet_tag(bytes(MAX_TAGGED_BYTES + 1), TagKey.from_secret("s"))
+
+
+@SETTINGS
+@given(
+    fields=st.fixed_dictionaries(FIELD_RANGES),
+    payload=st.binary(min_size=0, max_size=256),
+    data=st.data(),
+)
+def test_keyed_tag_changes_with_any_bit_length_or_key(fields: dict, payload: bytes, data) -> None:
+    key = TagKey.from_secret("s3cret")
+    good = encode(Header(**fields), payload, key)
+    tag = packet_tag(good, key)
+    packet = bytearray(good)
+    pos = data.draw(st.sampled_from([i for i in range(len(packet)) if not 40 <= i < 48]))
+    packet[pos] ^= 1 << data.draw(st.integers(0, 7))
+    assert packet_tag(bytes(packet), key) != tag
+    assert packet_tag(good + b"\0", key) != tag  # zero padding is bound by the length
+    assert packet_tag(good, TagKey.from_secret("other")) != tag

@@ -19,6 +19,7 @@ sum, and a lost chunk becomes small noise spread over its block.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -160,6 +161,7 @@ class _Collective:
     reduce_report: LossReport | None = None
     gather_reports: dict[int, LossReport] = field(default_factory=dict)
     gather_received: dict[int, np.ndarray] = field(default_factory=dict)
+    nonfinite: int = 0  # chunks of this rank's finished shard holding NaN/inf (from their norms)
     # While waiting for the peers' last acknowledgements: the wait's end, or None until the
     # driver next passes in a time (see TransposeAllReduce._conclude).
     finish_by: float | None = 0.0
@@ -505,7 +507,11 @@ class TransposeAllReduce:
         # otherwise the shard is read once for them here.
         mine = c.result[lo:hi]
         if stats is None:
-            stats = kernels.chunk_stats(mine, dtype=DType(c.dtype), chunk_elems=chunk_elems)
+            stats = kernels.chunk_stats(
+                mine, dtype=DType(c.dtype), chunk_elems=chunk_elems, key=self.endpoint.key
+            )
+        # A chunk's norm is NaN or infinite when its values are: the report flags them for free.
+        c.nonfinite = int(np.count_nonzero(~np.isfinite(stats.norms)))
         for j in range(world):
             if j != me:
                 self.endpoint.sender.start(
@@ -541,7 +547,7 @@ class TransposeAllReduce:
             step=c.step,
             bucket=c.bucket,
             duration=now - c.started,
-            reduce=c.reduce_report or empty,
+            reduce=dataclasses.replace(c.reduce_report or empty, nonfinite_chunks=c.nonfinite),
             gather=tuple(c.gather_reports[j] for j in sorted(c.gather_reports)),
             sender=self.endpoint.sender.report(c.step, c.bucket),
         )

@@ -129,6 +129,10 @@ class LossReport:
     rejected: int = 0
     protected_missing: int = 0
     """Protected chunks missing at completion (0 unless ``degraded``)."""
+    nonfinite_chunks: int = 0
+    """Chunks of this shard's result holding a NaN or an infinity: as received (gather), or as
+    summed here (reduce; there also a chunk whose values' squares overflow float32, beyond
+    about 1.8e19). Reported, not acted on: the result is delivered as computed."""
 
     @property
     def delivered_fraction(self) -> float:
@@ -172,6 +176,13 @@ class CollectiveReport:
         exp = self.reduce.expected_elems + sum(g.expected_elems for g in self.gather)
         miss = self.reduce.missing_elems + sum(g.missing_elems for g in self.gather)
         return 1.0 if exp == 0 else 1.0 - miss / exp
+
+    @property
+    def nonfinite_chunks(self) -> int:
+        """Chunks of the result holding a NaN or an infinity, over both phases at this rank
+        (see :attr:`LossReport.nonfinite_chunks`): a diverging job, or, without a job secret,
+        forged data."""
+        return self.reduce.nonfinite_chunks + sum(g.nonfinite_chunks for g in self.gather)
 
 
 @dataclass(frozen=True)

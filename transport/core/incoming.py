@@ -74,6 +74,8 @@ class InTransfer:
         # applies (see ``ReceiverCore.restart_clock``).
         self.running = key.phase not in (Phase.GATHER, Phase.PULL)
         self.counts = chunk_counts(spec.n_elems, spec.chunk_elems)
+        # Gather: chunks whose placed data holds a NaN or an infinity (the place kernel's flag).
+        self.nonfinite = np.zeros(spec.n_chunks if self.gather else 0, dtype=np.uint8)
         n_src = received.shape[0]
         n = spec.n_chunks
         rows = np.array([s - spec.src_lo for s in senders], dtype=np.int64)

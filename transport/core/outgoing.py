@@ -121,7 +121,9 @@ class OutTransfer:
         self.counts = chunk_counts(self.n_elems, self.chunk_elems)
         n = self.n_chunks = int(self.counts.shape[0])
         if stats is None:
-            stats = kernels.chunk_stats(data, dtype=DType(dtype), chunk_elems=self.chunk_elems)
+            stats = kernels.chunk_stats(
+                data, dtype=DType(dtype), chunk_elems=self.chunk_elems, key=cfg.tag_key
+            )
         classes = priority.classify(norms=stats.norms, layer_position=layer_position, pinned=pinned)
         self.prio = np.ascontiguousarray(classes.prio, dtype=np.uint8)
         self.protected = np.asarray(classes.protected, dtype=bool)

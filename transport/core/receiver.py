@@ -203,6 +203,7 @@ class ReceiverCore:
             plan = t.plan = kernels.prepare_receive(
                 session, t.spec, t.target, t.contrib, t.received, self.counters,
                 place=t.gather, stats=t.stats, final=t.final, scale=t.scale,
+                nonfinite=t.nonfinite if t.gather else None,
             )  # fmt: skip
         kernels.receive_rows(plan, arena, lengths, rows, verdicts)
         # The ACK state follows the judged rows (see
@@ -689,6 +690,7 @@ class ReceiverCore:
             duplicates=t.duplicates,
             rejected=t.rejected,
             protected_missing=int(((t.received[t.rows] == 0) & t.protected[t.rows]).sum()),
+            nonfinite_chunks=int(np.count_nonzero(t.nonfinite)),
         )
         # The deadline learns how long a transfer's data takes to arrive on its own. A transfer
         # ended by the deadline, or completed by data it had to NACK for, measures that only

@@ -6,7 +6,7 @@ place that merges them (STYLE rule 8). Example file::
 
     [daemon]
     job = 7
-    secret = "change-me"          # keys the inter-host packet tags (SipHash-2-4)
+    secret = "change-me"          # keys the inter-host packet tags (a keyed MAC)
     host_rank = 0                 # this host among `hosts` daemons
     hosts = 2
     socket = "/tmp/gradlane-7.sock"

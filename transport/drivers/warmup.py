@@ -33,15 +33,13 @@ from collections.abc import Iterator
 import numpy as np
 from gradlane.scheduling.loss import LossConfig, LossPolicy
 from gradlane.scheduling.pacing import PacingConfig
-from gradlane.transport import kernels
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.collective import TransposeAllReduce
 from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, flat
 from gradlane.transport.drivers.udp import mmsg as _mmsg
 from gradlane.transport.drivers.zmq import frames as zmq_batch
 from gradlane.transport.kernels.batch import pass_end_gaps
-from gradlane.transport.wire.header import HEADER_SIZE, DType, Header, Kind, header_fields
-from gradlane.transport.wire.tag import TagKey
+from gradlane.transport.wire.header import DType, header_fields
 
 try:
     import fcntl
@@ -61,23 +59,23 @@ _POLL_S = 0.05
 _warm: set[str] = set()  # what this process has compiled already
 
 
-def warm_up(*, keyed: bool = False, udp: bool = False, zmq: bool = False) -> None:
+def warm_up(*, udp: bool = False, zmq: bool = False) -> None:
     """Compile (or load from numba's cache) every kernel a collective uses, off the clock.
 
-    Once per process. ``keyed`` (a job with a secret) adds the SipHash header writer, which only
-    such jobs use; ``udp`` the UDP adapter's ``sendmmsg`` table filler (where the batched calls
-    exist); ``zmq`` the ZeroMQ plane's batch-frame split. On a host where another process is
-    compiling them, waits for it first (see the module docstring).
+    Once per process. The tag's mode is a run-time argument of the kernels, so the warm-up
+    all-reduce compiles the keyed path too. ``udp`` adds the UDP adapter's ``sendmmsg`` table
+    filler (where the batched calls exist); ``zmq`` the ZeroMQ plane's batch-frame split. On a
+    host where another process is compiling them, waits for it first (see the module docstring).
     """
-    todo = [name for name, wanted in (("all-reduce", True), ("siphash", keyed),
-                                      ("udp", udp and _mmsg.AVAILABLE), ("zmq", zmq))
+    todo = [name for name, wanted in (("all-reduce", True), ("udp", udp and _mmsg.AVAILABLE),
+                                      ("zmq", zmq))
             if wanted and name not in _warm]  # fmt: skip
     if not todo:
         return
     with _compile_turn():
         for name in todo:
-            {"all-reduce": _warm_all_reduce, "siphash": _warm_siphash_headers,
-             "udp": _mmsg.warm_up, "zmq": zmq_batch.warm_up}[name]()  # fmt: skip
+            {"all-reduce": _warm_all_reduce, "udp": _mmsg.warm_up,
+             "zmq": zmq_batch.warm_up}[name]()  # fmt: skip
             _warm.add(name)
 
 
@@ -212,19 +210,3 @@ def _warm_exchange(cfg: TransportConfig, dtype: int | None, data: np.ndarray) ->
         now += 1e-4
     if done != 2:  # a bug in the core: say so at start-up, not at the first collective
         raise RuntimeError(f"the warm-up all-reduce ({dtype or data.dtype}) did not complete")
-
-
-def _warm_siphash_headers() -> None:
-    x = np.ones(8, dtype=np.float32)
-    stats = kernels.chunk_stats(x, dtype=DType.F32, chunk_elems=4)
-    kernels.write_headers(
-        np.empty((2, HEADER_SIZE), dtype=np.uint8),
-        x,
-        stats,
-        dtype=DType.F32,
-        header=Header(kind=Kind.DATA, job=1, step=0, bucket=0, shard=0, src=0, dst=1, phase=0),
-        chunk_elems=4,
-        key=TagKey.from_secret("warm-up"),
-        prio=np.zeros(2, dtype=np.uint8),
-        flags=np.zeros(2, dtype=np.uint8),
-    )

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 from gradlane.transport.wire.header import HEADER_SIZE, DType
-from gradlane.transport.wire.tag import TAG_FAST, TAG_SIPHASH, TagKey
+from gradlane.transport.wire.tag import TAG_FAST, TAG_KEYED, TagKey
 
 _U8_MAX = 0xFF
 _U16_MAX = 0xFFFF
@@ -158,11 +158,10 @@ def _in_range(name: str, value: int, hi: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _key_parts(key: TagKey) -> tuple[int, np.uint64, np.uint64]:
-    if key.mode not in (TAG_FAST, TAG_SIPHASH):
-        raise ValueError(f"TagKey.mode={key.mode} must be TAG_FAST or TAG_SIPHASH")
-    return (
-        int(key.mode),
-        np.uint64(_in_range("key.k0", key.k0, _U64_MAX)),
-        np.uint64(_in_range("key.k1", key.k1, _U64_MAX)),
-    )
+def _key_parts(key: TagKey) -> tuple[int, np.ndarray]:
+    """``(mode, key words)`` as the kernels take them, checked once per key."""
+    if key.mode not in (TAG_FAST, TAG_KEYED):
+        raise ValueError(f"TagKey.mode={key.mode} must be TAG_FAST or TAG_KEYED")
+    _in_range("key.k0", key.k0, _U64_MAX)
+    _in_range("key.k1", key.k1, _U64_MAX)
+    return int(key.mode), key.words

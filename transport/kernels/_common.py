@@ -30,14 +30,11 @@ import numpy as np
 from gradlane.transport.errors import ConfigError
 from gradlane.transport.wire.header import MAGIC, VERSION
 from gradlane.transport.wire.tag import (
-    _S0,
-    _S1,
-    _S2,
-    _S3,
-    TAG_SIPHASH,
-    _sipround,
+    NH_SHIFT,
+    TAG_KEYED,
     fast_finish,
-    sip_finish,
+    keyed_finish,
+    nh,
 )
 from numba import njit
 
@@ -213,38 +210,70 @@ def fast_tag_row(row64: np.ndarray, length: int) -> np.uint64:
     return fast_finish(ha + pa, hb + pb + _U64(11) * pa, length)
 
 
-@njit(**EXACT)
-def siphash_row(k0: np.uint64, k1: np.uint64, row64: np.ndarray, length: int) -> np.uint64:
-    """SipHash-2-4 tag of the packet in a row viewed as u64 words (``tag.siphash24_parts``).
-
-    The message is bytes [0:40] then [48:length]; 40 and 48 are multiples of 8, so it is five
-    header words, the payload's words and one masked tail word: no byte loop. A row is a
-    multiple of 8 bytes wide, so the tail word is inside it.
-    """
-    v0 = k0 ^ _S0
-    v1 = k1 ^ _S1
-    v2 = k0 ^ _S2
-    v3 = k1 ^ _S3
-    for i in range(5):
-        m = row64[i]
-        v3 ^= m
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-        v0 ^= m
-    payload = length - 48
-    n_full = payload >> 3
+@njit(inline="always", **EXACT)
+def nh_words(words64: np.ndarray, n_bytes: int, key: np.ndarray) -> tuple[np.uint64, np.uint64]:
+    """The two NH sums (``tag.keyed_tag``) of ``n_bytes`` message bytes read as u64 words,
+    word ``i`` under key words ``key[i]`` and ``key[i + 2]`` (``key`` starts at the first word's
+    key). Zero-padded to a whole word by definition, whatever the buffer holds past ``n_bytes``;
+    the buffer must extend to the next multiple of 8 (arena rows do)."""
+    h1 = _U64(0)
+    h2 = _U64(0)
+    n_full = n_bytes >> 3
     for i in range(n_full):
-        m = row64[6 + i]
-        v3 ^= m
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-        v0 ^= m
-    rem = payload & 7
-    last = _U64(0)
+        m = words64[i]
+        h1 += nh(m, key[i])
+        h2 += nh(m, key[i + NH_SHIFT])
+    rem = n_bytes & 7
     if rem:
-        last = row64[6 + n_full] & ((_U64(1) << _U64(8 * rem)) - _U64(1))
-    last |= _U64((length - 8) & 0xFF) << _U64(56)
-    return sip_finish(v0, v1, v2, v3, last)
+        m = words64[n_full] & ((_U64(1) << _U64(8 * rem)) - _U64(1))
+        h1 += nh(m, key[n_full])
+        h2 += nh(m, key[n_full + NH_SHIFT])
+    return h1, h2
+
+
+@njit(inline="always", **EXACT)
+def nh_pairs32(w32: np.ndarray, key: np.ndarray) -> tuple[np.uint64, np.uint64]:
+    """:func:`nh_words` of a message given as u32 words (a float32 chunk's bits, any 4-byte
+    alignment): word pair ``j`` is ``w32[2j] | w32[2j+1] << 32``, the last one zero-padded."""
+    h1 = _U64(0)
+    h2 = _U64(0)
+    n = w32.shape[0]
+    for j in range(n >> 1):
+        lo = _U64(w32[2 * j])
+        hi = _U64(w32[2 * j + 1])
+        k1 = key[j]
+        k2 = key[j + NH_SHIFT]
+        h1 += ((lo + k1) & _LO32) * ((hi + (k1 >> _U64(32))) & _LO32)
+        h2 += ((lo + k2) & _LO32) * ((hi + (k2 >> _U64(32))) & _LO32)
+    if n & 1:
+        m = _U64(w32[n - 1])
+        h1 += nh(m, key[n >> 1])
+        h2 += nh(m, key[(n >> 1) + NH_SHIFT])
+    return h1, h2
+
+
+@njit(inline="always", **EXACT)
+def nh_header(
+    w0: np.uint64, w1: np.uint64, w2: np.uint64, w3: np.uint64, w4: np.uint64, key: np.ndarray
+) -> tuple[np.uint64, np.uint64]:
+    """The header's share of the NH sums: u64 words 0..4 under ``key[2 + i]`` (``key`` is
+    :attr:`TagKey.words`), from registers."""
+    h1 = nh(w0, key[2]) + nh(w1, key[3]) + nh(w2, key[4]) + nh(w3, key[5]) + nh(w4, key[6])
+    s = 2 + NH_SHIFT
+    h2 = nh(w0, key[s]) + nh(w1, key[s + 1]) + nh(w2, key[s + 2]) + nh(w3, key[s + 3])
+    return h1, h2 + nh(w4, key[s + 4])
+
+
+#: Where payload word 0 (row u64 word 6) finds its NH key in :attr:`TagKey.words`.
+KEY_PAYLOAD = 2 + PAYLOAD_WORD // 2
+
+
+@njit(**EXACT)
+def keyed_row(row64: np.ndarray, length: int, key: np.ndarray) -> np.uint64:
+    """Keyed tag of the packet in an arena row (``tag.keyed_tag``), read as u64 words."""
+    h1, h2 = nh_header(row64[0], row64[1], row64[2], row64[3], row64[4], key)
+    p1, p2 = nh_words(row64[PAYLOAD_WORD // 2 :], length - 48, key[KEY_PAYLOAD:])
+    return keyed_finish(key[0], key[1], h1 + p1, h2 + p2, length)
 
 
 #: Layout of the header template :func:`finish_packet` takes (uint64[5]): header u64 words 0..2
@@ -291,13 +320,13 @@ def finish_packet(
     pay_a: np.uint64,
     pay_b: np.uint64,
     mode: int,
-    k0: np.uint64,
-    k1: np.uint64,
+    key: np.ndarray,
 ) -> None:
     """Write the header (five u64 words) and the tag of one packet.
 
     ``tmpl`` is :func:`header_template`; flags, prio, chunk, count and norm are merged in here,
-    aux is 0. ``pay_a``/``pay_b`` are the payload's fast-tag sums (indices from 0). The header's
+    aux is 0. ``pay_a``/``pay_b`` are the payload's fast-tag sums (indices from 0), or under a
+    keyed ``mode`` its two NH sums (:func:`nh_words` from ``key[KEY_PAYLOAD:]``). The header's
     own sums come from registers, not from the row: reading u64 words back right after writing
     them in other widths defeats store forwarding, a stall on every packet.
     """
@@ -305,13 +334,16 @@ def finish_packet(
     chunk_w = _U64(chunk) & _LO32
     count_w = _U64(count) & _LO32
     norm_w = _U64(np.float32(norm).view(np.uint32))
-    row64[0] = tmpl[0] | (fp << _U64(32))
+    w0 = tmpl[0] | (fp << _U64(32))
+    w3 = chunk_w | (count_w << _U64(32))
+    row64[0] = w0
     row64[1] = tmpl[1]
     row64[2] = tmpl[2]
-    row64[3] = chunk_w | (count_w << _U64(32))
+    row64[3] = w3
     row64[4] = norm_w  # aux = 0 in the high half
-    if mode == TAG_SIPHASH:
-        row64[5] = siphash_row(k0, k1, row64, length)
+    if mode == TAG_KEYED:
+        h1, h2 = nh_header(w0, tmpl[1], tmpl[2], w3, norm_w, key)
+        row64[5] = keyed_finish(key[0], key[1], h1 + pay_a, h2 + pay_b, length)
     else:
         # Header words 1, 6, 7, 8 carry indices 2, 7, 8, 9; payload word j has index 11 + j.
         ha = tmpl[TMPL_A] + fp + chunk_w + count_w + norm_w

@@ -20,6 +20,7 @@ from gradlane.transport.kernels._common import (
     ABS16,
     ABS32,
     EXACT,
+    KEY_PAYLOAD,
     PAYLOAD_HALF,
     PAYLOAD_WORD,
     REDUCTION,
@@ -28,8 +29,10 @@ from gradlane.transport.kernels._common import (
     fast_sums64,
     finish_packet,
     max_abs_bits,
+    nh_pairs32,
+    nh_words,
 )
-from gradlane.transport.wire.tag import TAG_FAST, TAG_SIPHASH
+from gradlane.transport.wire.tag import NH_SHIFT, TAG_KEYED, nh
 from numba import njit
 
 _U64 = np.uint64
@@ -49,12 +52,15 @@ def pack_f32(
     flags_step: int,
     first_chunk: int,
     mode: int,
-    k0: np.uint64,
-    k1: np.uint64,
+    key: np.ndarray,
     norms: np.ndarray,
     maxabs: np.ndarray,
 ) -> int:
-    """Pack a float32 shard (given as its u32 bits) into arena rows 0..n_chunks-1."""
+    """Pack a float32 shard (given as its u32 bits) into arena rows 0..n_chunks-1.
+
+    Under a keyed ``mode`` the copy loop computes the norm only and the NH sums are a second
+    pass over the L1-hot row (whole u64 words there, whatever the shard's alignment).
+    """
     n = src32.shape[0]
     n_chunks = (n + chunk_elems - 1) // chunk_elems
     srcf = src32.view(np.float32)
@@ -69,31 +75,27 @@ def pack_f32(
         a = _U64(0)
         b = _U64(0)
         ss = np.float32(0.0)
-        for j in range(count):
-            w = s32[j]
-            dst[j] = w
-            wu = _U64(w)
-            a += wu
-            b += _U64(_U32(j)) * wu
-            x = sf[j]
-            ss += x * x
-        norm = np.sqrt(ss)
         length = 48 + 4 * count
+        if mode == TAG_KEYED:
+            for j in range(count):
+                dst[j] = s32[j]
+                x = sf[j]
+                ss += x * x
+            a, b = nh_words(a64[c, PAYLOAD_WORD // 2 :], 4 * count, key[KEY_PAYLOAD:])
+        else:
+            for j in range(count):
+                w = s32[j]
+                dst[j] = w
+                wu = _U64(w)
+                a += wu
+                b += _U64(_U32(j)) * wu
+                x = sf[j]
+                ss += x * x
+        norm = np.sqrt(ss)
         finish_packet(
-            a64[c],
-            tmpl,
-            flags[c * flags_step],
-            prio[c * prio_step],
-            first_chunk + c,
-            count,
-            norm,
-            length,
-            a,
-            b,
-            mode,
-            k0,
-            k1,
-        )
+            a64[c], tmpl, flags[c * flags_step], prio[c * prio_step], first_chunk + c, count,
+            norm, length, a, b, mode, key,
+        )  # fmt: skip
         lengths[c] = length
         if norms.shape[0]:
             norms[c] = norm
@@ -130,8 +132,7 @@ def pack_u16(
     flags_step: int,
     first_chunk: int,
     mode: int,
-    k0: np.uint64,
-    k1: np.uint64,
+    key: np.ndarray,
     norms: np.ndarray,
     maxabs: np.ndarray,
     bf16: bool,
@@ -149,23 +150,15 @@ def pack_u16(
         for j in range(count):
             dst[j] = s16[j]
         norm = np.sqrt(sumsq_u16(dst, bf16))
-        a, b = fast_sums64(a64[c, PAYLOAD_WORD // 2 :], 2 * count)
+        if mode == TAG_KEYED:
+            a, b = nh_words(a64[c, PAYLOAD_WORD // 2 :], 2 * count, key[KEY_PAYLOAD:])
+        else:
+            a, b = fast_sums64(a64[c, PAYLOAD_WORD // 2 :], 2 * count)
         length = 48 + 2 * count
         finish_packet(
-            a64[c],
-            tmpl,
-            flags[c * flags_step],
-            prio[c * prio_step],
-            first_chunk + c,
-            count,
-            norm,
-            length,
-            a,
-            b,
-            mode,
-            k0,
-            k1,
-        )
+            a64[c], tmpl, flags[c * flags_step], prio[c * prio_step], first_chunk + c, count,
+            norm, length, a, b, mode, key,
+        )  # fmt: skip
         lengths[c] = length
         if norms.shape[0]:
             norms[c] = norm
@@ -188,15 +181,24 @@ def _max_abs_u16(h: np.ndarray, bf16: bool) -> np.float32:
 
 
 @njit(**REDUCTION)
-def stats_chunk_f32(s32: np.ndarray, sf: np.ndarray) -> tuple[np.float32, np.uint64, np.uint64]:
-    """One float32 chunk (its u32 bits and float view): L2 norm and the fast-tag sums.
+def stats_chunk_f32(
+    s32: np.ndarray, sf: np.ndarray, mode: int, key: np.ndarray
+) -> tuple[np.float32, np.uint64, np.uint64]:
+    """One float32 chunk (its u32 bits and float view): L2 norm and the tag sums (fast, or NH
+    under a keyed ``mode``: ``key`` is :attr:`TagKey.words`).
 
     The one definition of a chunk's statistics: :func:`stats_f32` runs it over a shard and the
     reduce kernel on a chunk its last contribution just completed, so both give the same bits.
     """
+    ss = np.float32(0.0)
+    if mode == TAG_KEYED:
+        for j in range(sf.shape[0]):
+            x = sf[j]
+            ss += x * x
+        h1, h2 = nh_pairs32(s32, key[KEY_PAYLOAD:])
+        return np.sqrt(ss), h1, h2
     a = _U64(0)
     b = _U64(0)
-    ss = np.float32(0.0)
     for j in range(s32.shape[0]):
         wu = _U64(s32[j])
         a += wu
@@ -213,15 +215,17 @@ def stats_f32(
     norms: np.ndarray,
     sum_a: np.ndarray,
     sum_b: np.ndarray,
+    mode: int,
+    key: np.ndarray,
 ) -> None:
-    """Per chunk of a float32 shard (u32 bits): L2 norm and the fast-tag sums of its payload."""
+    """Per chunk of a float32 shard (u32 bits): L2 norm and the tag sums of its payload."""
     n = src32.shape[0]
     srcf = src32.view(np.float32)
     for c in range(norms.shape[0]):
         off = c * chunk_elems
         count = min(chunk_elems, n - off)
         norms[c], sum_a[c], sum_b[c] = stats_chunk_f32(
-            src32[off : off + count], srcf[off : off + count]
+            src32[off : off + count], srcf[off : off + count], mode, key
         )
 
 
@@ -233,15 +237,20 @@ def stats_u16(
     sum_a: np.ndarray,
     sum_b: np.ndarray,
     bf16: bool,
+    mode: int,
+    key: np.ndarray,
 ) -> None:
-    """Per chunk of an f16/bf16 shard (u16 bits): L2 norm and the fast-tag sums of its payload
-    (u32 words of two elements, the last one zero-padded)."""
+    """Per chunk of an f16/bf16 shard (u16 bits): L2 norm and the tag sums of its payload (fast:
+    u32 words of two elements, the last one zero-padded; keyed: NH over u64 words of four)."""
     n = src16.shape[0]
     for c in range(norms.shape[0]):
         off = c * chunk_elems
         count = min(chunk_elems, n - off)
         h = src16[off : off + count]
         norms[c] = np.sqrt(sumsq_u16(h, bf16))
+        if mode == TAG_KEYED:
+            sum_a[c], sum_b[c] = _nh_u16(h, key[KEY_PAYLOAD:])
+            continue
         a = _U64(0)
         b = _U64(0)
         for k in range(count // 2):
@@ -256,8 +265,33 @@ def stats_u16(
         sum_b[c] = b
 
 
+@njit(inline="always", **EXACT)
+def _nh_u16(h: np.ndarray, key: np.ndarray) -> tuple[np.uint64, np.uint64]:
+    """NH sums of 16-bit elements read as u64 words of four (the last zero-padded)."""
+    h1 = _U64(0)
+    h2 = _U64(0)
+    n = h.shape[0]
+    n_full = n >> 2
+    for j in range(n_full):
+        m = (
+            _U64(h[4 * j])
+            | (_U64(h[4 * j + 1]) << _U64(16))
+            | (_U64(h[4 * j + 2]) << _U64(32))
+            | (_U64(h[4 * j + 3]) << _U64(48))
+        )
+        h1 += nh(m, key[j])
+        h2 += nh(m, key[j + NH_SHIFT])
+    if n & 3:
+        m = _U64(0)
+        for k in range(n & 3):
+            m |= _U64(h[4 * n_full + k]) << _U64(16 * k)
+        h1 += nh(m, key[n_full])
+        h2 += nh(m, key[n_full + NH_SHIFT])
+    return h1, h2
+
+
 @njit(**EXACT)
-def headers_fast(
+def headers(
     hdr64: np.ndarray,
     counts: np.ndarray,
     itemsize: int,
@@ -268,54 +302,14 @@ def headers_fast(
     norms: np.ndarray,
     sum_a: np.ndarray,
     sum_b: np.ndarray,
+    mode: int,
+    key: np.ndarray,
 ) -> None:
-    """Write the 48-byte header (fast tag) of every chunk from its precomputed statistics."""
-    k0 = _U64(0)
+    """Write the 48-byte header and tag of every chunk from its precomputed statistics (the
+    payload's tag sums under ``mode``/``key``, as :func:`stats_f32` computes them)."""
     for c in range(counts.shape[0]):
         count = counts[c]
         finish_packet(
             hdr64[c], tmpl, flags[c], prio[c], first_chunk + c, count, norms[c],
-            48 + itemsize * count, sum_a[c], sum_b[c], TAG_FAST, k0, k0,
+            48 + itemsize * count, sum_a[c], sum_b[c], mode, key,
         )  # fmt: skip
-
-
-@njit(**EXACT)
-def headers_siphash(
-    hdr64: np.ndarray,
-    scratch64: np.ndarray,
-    src32: np.ndarray,
-    src8: np.ndarray,
-    chunk_bytes: int,
-    counts: np.ndarray,
-    itemsize: int,
-    tmpl: np.ndarray,
-    prio: np.ndarray,
-    flags: np.ndarray,
-    first_chunk: int,
-    norms: np.ndarray,
-    k0: np.uint64,
-    k1: np.uint64,
-) -> None:
-    """Write every chunk's header with its SipHash tag, which covers header and payload in one
-    stream: each payload is staged after its header in an L1-sized scratch row first, as u32
-    words (``src32``: the shard's whole words; chunk_bytes is a multiple of 4), then the odd
-    tail bytes of a 16-bit shard (``src8``): staging word by word, not byte by byte, keeps the
-    copy from dominating the tag pass."""
-    scratch8 = scratch64.view(np.uint8)
-    scratch32 = scratch64.view(np.uint32)
-    z = _U64(0)
-    for c in range(counts.shape[0]):
-        nb = itemsize * counts[c]
-        off = c * chunk_bytes
-        words = nb // 4
-        o4 = off // 4
-        for j in range(words):
-            scratch32[12 + j] = src32[o4 + j]
-        for j in range(4 * words, nb):
-            scratch8[48 + j] = src8[off + j]
-        finish_packet(
-            scratch64, tmpl, flags[c], prio[c], first_chunk + c, counts[c], norms[c], 48 + nb,
-            z, z, TAG_SIPHASH, k0, k1,
-        )  # fmt: skip
-        for w in range(6):
-            hdr64[c, w] = scratch64[w]

@@ -18,7 +18,7 @@ follows, and the second read hits L1; software prefetching, interleaving the two
 packets, or touching the slot during the tag pass only add work.
 
 The session and transfer travel as one int64 ``spec`` array (``S_*`` indices below) so the kernel
-signature stays stable; the SipHash key travels as two uint64 scalars. Each kernel first copies
+signature stays stable; the tag key travels as its words (``TagKey.words``). Each kernel copies
 ``spec`` into a tuple of scalars: LLVM cannot keep array loads out of the per-packet loop (the
 loop stores into other arrays that might alias it), but it keeps a tuple in registers.
 """
@@ -33,7 +33,7 @@ from gradlane.transport.kernels._common import (
     bf16_to_f32,
     f16_to_f32,
     fast_tag_row,
-    siphash_row,
+    keyed_row,
 )
 from gradlane.transport.kernels._pack import stats_chunk_f32
 from gradlane.transport.wire.header import (
@@ -47,7 +47,7 @@ from gradlane.transport.wire.header import (
     Phase,
     Reason,
 )
-from gradlane.transport.wire.tag import TAG_SIPHASH
+from gradlane.transport.wire.tag import TAG_KEYED
 from numba import njit
 
 _U64 = np.uint64
@@ -102,6 +102,7 @@ _BITMAP_MASK = sum(1 << int(k) for k in BITMAP_KINDS)
 _PHASE_MAX = int(Phase.PULL)
 _DTYPE_MAX = int(DType.BF16)
 _F32 = int(DType.F32)
+_F16 = int(DType.F16)
 _ITEM_F32 = ITEMSIZE[DType.F32]
 _ITEM_16 = ITEMSIZE[DType.F16]
 assert ITEMSIZE[DType.F16] == ITEMSIZE[DType.BF16] == 2
@@ -123,8 +124,7 @@ def check_packet(
     row64: np.ndarray,
     length: int,
     sp: tuple[int, ...],
-    k0: np.uint64,
-    k1: np.uint64,
+    key: np.ndarray,
 ) -> tuple[int, int, int, int, int]:
     """``validate(row[:length], session, transfer)`` → (reason, kind, src, chunk, count).
 
@@ -146,8 +146,8 @@ def check_packet(
         return _BAD_KIND, kind, 0, 0, 0
     if np.int64(row32[2]) != sp[S_JOB]:
         return _FOREIGN_JOB, kind, 0, 0, 0
-    if sp[S_MODE] == TAG_SIPHASH:
-        tag = siphash_row(k0, k1, row64, n)
+    if sp[S_MODE] == TAG_KEYED:
+        tag = keyed_row(row64, n, key)
     else:
         tag = fast_tag_row(row64, n)
     if tag != row64[5]:
@@ -295,25 +295,24 @@ def slow_verdict(
     row64: np.ndarray,
     length: int,
     spec: np.ndarray,
-    k0: np.uint64,
-    k1: np.uint64,
+    key: np.ndarray,
 ) -> tuple[int, int, int, int]:
     """:func:`check_packet` for a packet that missed the fast path → (reason, src, chunk, count).
 
     A valid non-DATA packet gets BAD_KIND. Out of line on purpose: only rejected packets come
     here (see :func:`fast_header`), and keeping it out of the batch loop keeps that loop small.
     """
-    reason, kind, src, chunk, count = check_packet(row32, row64, length, load_spec(spec), k0, k1)
+    reason, kind, src, chunk, count = check_packet(row32, row64, length, load_spec(spec), key)
     if reason == _OK and kind != _DATA:
         reason = _BAD_KIND
     return reason, src, chunk, count
 
 
 @njit(inline="always", **EXACT)
-def row_tag(row64: np.ndarray, length: int, mode: int, k0: np.uint64, k1: np.uint64) -> np.uint64:
-    """The tag a row must carry (fast or SipHash per ``mode``)."""
-    if mode == TAG_SIPHASH:
-        return siphash_row(k0, k1, row64, length)
+def row_tag(row64: np.ndarray, length: int, mode: int, key: np.ndarray) -> np.uint64:
+    """The tag a row must carry (fast or keyed per ``mode``)."""
+    if mode == TAG_KEYED:
+        return keyed_row(row64, length, key)
     return fast_tag_row(row64, length)
 
 
@@ -337,8 +336,7 @@ def reduce_f32(
     lengths: np.ndarray,
     rows: np.ndarray,
     spec: np.ndarray,
-    k0: np.uint64,
-    k1: np.uint64,
+    key: np.ndarray,
     accum: np.ndarray,
     contrib: np.ndarray,
     received: np.ndarray,
@@ -380,9 +378,9 @@ def reduce_f32(
             row64[0], row64[1], row64[2], row64[3], length, _ITEM_F32, ce, ex
         )
         if fast:
-            reason = _OK if row_tag(row64, length, mode, k0, k1) == row64[5] else _BAD_TAG
+            reason = _OK if row_tag(row64, length, mode, key) == row64[5] else _BAD_TAG
         else:
-            reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, k0, k1)
+            reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, key)
         sr = src - src_lo
         if reason == _OK and received[sr, chunk]:
             reason = _DUPLICATE
@@ -398,7 +396,7 @@ def reduce_f32(
                     for j in range(count):
                         acc[j] *= scale
                 norms[chunk], sum_a[chunk], sum_b[chunk] = stats_chunk_f32(
-                    acc_bits[off : off + count], acc
+                    acc_bits[off : off + count], acc, mode, key
                 )
             received[sr, chunk] = 1
             accepted += 1
@@ -416,8 +414,7 @@ def reduce_u16(
     lengths: np.ndarray,
     rows: np.ndarray,
     spec: np.ndarray,
-    k0: np.uint64,
-    k1: np.uint64,
+    key: np.ndarray,
     accum: np.ndarray,
     contrib: np.ndarray,
     received: np.ndarray,
@@ -445,9 +442,9 @@ def reduce_u16(
             row64[0], row64[1], row64[2], row64[3], length, _ITEM_16, ce, ex
         )
         if fast:
-            reason = _OK if row_tag(row64, length, mode, k0, k1) == row64[5] else _BAD_TAG
+            reason = _OK if row_tag(row64, length, mode, key) == row64[5] else _BAD_TAG
         else:
-            reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, k0, k1)
+            reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, key)
         sr = src - src_lo
         if reason == _OK and received[sr, chunk]:
             reason = _DUPLICATE
@@ -479,10 +476,10 @@ def place_rows(
     lengths: np.ndarray,
     rows: np.ndarray,
     spec: np.ndarray,
-    k0: np.uint64,
-    k1: np.uint64,
+    key: np.ndarray,
     out: np.ndarray,
     contrib: np.ndarray,
+    nonfinite: np.ndarray,
     received: np.ndarray,
     counters: np.ndarray,
     verdicts: np.ndarray,
@@ -490,6 +487,9 @@ def place_rows(
     """Validate each batch row and copy the valid DATA payloads bit-exactly into ``out``.
 
     ``out`` is u32 (F32) or u16 (F16/BF16) and ``words`` the arena viewed as the same type.
+    ``nonfinite`` (one uint8 per chunk; empty: off) is set for a chunk whose payload holds a
+    NaN or an infinity (every exponent bit set), found in the copy loop itself: a running
+    minimum of the inverted exponent bits, which vectorises beside the copy.
     """
     sp = load_spec(spec)
     ex = expected_words(sp, arena.shape[1])
@@ -500,6 +500,9 @@ def place_rows(
     a32 = arena.view(np.uint32)
     a64 = arena.view(np.uint64)
     want_contrib = contrib.shape[0] > 0
+    want_nonfinite = nonfinite.shape[0] > 0
+    dt = sp[S_T_DTYPE]
+    emask = 0x7F800000 if dt == _F32 else (0x7C00 if dt == _F16 else 0x7F80)
     want_verdicts = verdicts.shape[0] > 0
     _check_rows(rows, arena.shape[0])
     accepted = 0
@@ -511,9 +514,9 @@ def place_rows(
             row64[0], row64[1], row64[2], row64[3], length, out.itemsize, ce, ex
         )
         if fast:
-            reason = _OK if row_tag(row64, length, mode, k0, k1) == row64[5] else _BAD_TAG
+            reason = _OK if row_tag(row64, length, mode, key) == row64[5] else _BAD_TAG
         else:
-            reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, k0, k1)
+            reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, key)
         sr = src - src_lo
         if reason == _OK and received[sr, chunk]:
             reason = _DUPLICATE
@@ -521,8 +524,17 @@ def place_rows(
             off = chunk * ce
             dst = out[off : off + count]
             pay = words[r, first : first + count]
-            for j in range(count):
-                dst[j] = pay[j]
+            if want_nonfinite:
+                least = emask
+                for j in range(count):
+                    v = pay[j]
+                    dst[j] = v
+                    least = min(least, ~v & emask)
+                if least == 0:
+                    nonfinite[chunk] = 1
+            else:
+                for j in range(count):
+                    dst[j] = pay[j]
             if want_contrib:
                 contrib[chunk] += np.uint16(1)
             received[sr, chunk] = 1

@@ -36,8 +36,8 @@ from gradlane.transport.wire.header import (
 
 
 @lru_cache(maxsize=256)
-def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.uint64, np.uint64]:
-    """The int64 spec array the receive kernels read, and the SipHash key (cached)."""
+def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The int64 spec array the receive kernels read, and the tag key's words (cached)."""
     _wire_dtype(transfer.dtype)
     if transfer.chunk_elems < 1 or transfer.n_elems < 0:
         raise ValueError(
@@ -49,7 +49,7 @@ def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.
             f"transfer ranks src_lo={transfer.src_lo}, src_hi={transfer.src_hi} must satisfy "
             "0 <= src_lo < src_hi <= 65536"
         )
-    mode, k0, k1 = _key_parts(session.key)
+    mode, key = _key_parts(session.key)
     spec = np.zeros(_rx.SPEC_LEN, dtype=np.int64)
     spec[_rx.S_JOB] = session.job
     spec[_rx.S_ME] = session.me
@@ -70,7 +70,7 @@ def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.
     spec[_rx.S_T_SRC_HI] = transfer.src_hi
     spec[_rx.S_T_N_CHUNKS] = transfer.n_chunks
     spec.flags.writeable = False
-    return spec, k0, k1
+    return spec, key
 
 
 _all_rows = np.arange(1024, dtype=np.int64)
@@ -101,13 +101,13 @@ class ReceivePlan(NamedTuple):
     session: SessionSpec
     transfer: TransferSpec
     spec: np.ndarray
-    k0: np.uint64
-    k1: np.uint64
+    key: np.ndarray  # TagKey.words
     place: bool
     target: np.ndarray  # float32 accumulator (reduce) or the output's raw bits (place)
     contrib: np.ndarray
     received: np.ndarray
     counters: np.ndarray
+    nonfinite: np.ndarray = _NO_U8  # per chunk, set when its data holds NaN/inf (place; empty: off)
     stats: ChunkStats = _NO_STATS  # per-chunk statistics of completed sums (F32 reduce; empty: off)
     final: int = 0  # the contributor count that completes a chunk
     target_bits: np.ndarray = _NO_U32  # the accumulator's u32 view (F32 reduce with stats)
@@ -126,6 +126,7 @@ def prepare_receive(
     stats: ChunkStats | None = None,
     final: int = 0,
     scale: float = 1.0,
+    nonfinite: np.ndarray | None = None,
 ) -> ReceivePlan:
     """Check once what :func:`reduce_into` (``place=False``: ``target`` is ``accum``) or
     :func:`place_into` (``target`` is ``out``) would check on every call, except the batch.
@@ -139,8 +140,11 @@ def prepare_receive(
     no pass over it. Entries of chunks that never reach ``final`` are left as they were. Such a
     finished chunk is first multiplied by ``scale`` (float32; e.g. ``1 / world`` for a mean),
     in the same pass; the other chunks are not.
+
+    ``nonfinite`` (place only: uint8, one per chunk) gets 1 for every chunk whose placed data
+    holds a NaN or an infinity, checked in the copy loop.
     """
-    spec, k0, k1 = _spec(session, transfer)
+    spec, key = _spec(session, transfer)
     recv = _array("received", received, 2, writeable=True)
     if recv.dtype == np.bool_:
         recv = recv.view(np.uint8)
@@ -170,7 +174,11 @@ def prepare_receive(
         con = _NO_U16  # optional in the gather phase
         if contrib is not None:
             con = _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
+        if nonfinite is not None:
+            nonf = _typed("nonfinite", nonfinite, np.uint8, (transfer.n_chunks,), writeable=True)
     else:
+        if nonfinite is not None:
+            raise ValueError("nonfinite is found by the place (gather) kernel only")
         tgt = _typed("accum", target, np.float32, (transfer.n_elems,))
         assert contrib is not None
         con = _typed("contrib", contrib, np.uint16, (transfer.n_chunks,))
@@ -178,14 +186,15 @@ def prepare_receive(
         session=session,
         transfer=transfer,
         spec=spec,
-        k0=k0,
-        k1=k1,
+        key=key,
         place=bool(place),
         target=tgt,
         contrib=con,
         received=recv,
         counters=counters,
     )
+    if place and nonfinite is not None:
+        plan = plan._replace(nonfinite=nonf)
     if stats is None:
         return plan
     shape = (transfer.n_chunks,)
@@ -230,11 +239,11 @@ def receive_rows(
         idx = _readonly(idx.astype(np.int64, copy=False))  # each row's range: the kernel's check
     verd = _NO_U8 if verdicts is None else _typed("verdicts", verdicts, np.uint8, (idx.shape[0],))
     p = plan
-    args = (p.spec, p.k0, p.k1)
+    args = (p.spec, p.key)
     if p.place:
         words = rows_a.view(np.uint32 if p.target.dtype == np.uint32 else np.uint16)
         return int(_rx.place_rows(rows_a, words, lens, idx, *args, p.target, p.contrib,
-                                  p.received, p.counters, verd))  # fmt: skip
+                                  p.nonfinite, p.received, p.counters, verd))  # fmt: skip
     if p.transfer.dtype == DType.F32:
         return int(_rx.reduce_f32(rows_a, lens, idx, *args, p.target, p.contrib, p.received,
                                   p.counters, verd, p.target_bits, *p.stats, p.final,
@@ -285,12 +294,16 @@ def place_into(
     contrib: np.ndarray | None = None,
     rows: np.ndarray | None = None,
     verdicts: np.ndarray | None = None,
+    nonfinite: np.ndarray | None = None,
 ) -> int:
     """Gather phase of :func:`reduce_into`: copy each good payload bit-exactly into ``out``.
 
     ``out`` has ``transfer.n_elems`` elements of the wire type: float32 (or uint32 bits) for F32;
     uint16/int16/float16 for F16; uint16/int16 for BF16. Validation, ``received``, ``counters``,
-    ``verdicts`` and ``rows`` are as in :func:`reduce_into`; ``contrib`` is optional.
+    ``verdicts`` and ``rows`` are as in :func:`reduce_into`; ``contrib`` and ``nonfinite`` (see
+    :func:`prepare_receive`) are optional.
     """
-    plan = prepare_receive(session, transfer, out, contrib, received, counters, place=True)
+    plan = prepare_receive(
+        session, transfer, out, contrib, received, counters, place=True, nonfinite=nonfinite
+    )
     return receive_rows(plan, arena, lengths, rows, verdicts)

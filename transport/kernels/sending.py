@@ -38,7 +38,7 @@ from gradlane.transport.wire.header import (
     Header,
     chunk_counts,
 )
-from gradlane.transport.wire.tag import TAG_FAST, TagKey
+from gradlane.transport.wire.tag import TagKey
 
 
 def _template(header: Header, dtype: DType) -> np.ndarray:
@@ -143,36 +143,38 @@ def pack(
     norms_a = _optional_f32("norms", norms, n_chunks)
     maxabs_a = _optional_f32("maxabs", maxabs, n_chunks)
     tmpl = _template(header, wire)
-    mode, k0, k1 = _key_parts(key)
+    mode, kw = _key_parts(key)
     if n_chunks == 0:
         return 0
     if wire == DType.F32:
         return int(
             _pk.pack_f32(
                 bits, rows, lens, chunk_elems, tmpl, prio_a, prio_step, flags_a, flags_step,
-                first, mode, k0, k1, norms_a, maxabs_a,
+                first, mode, kw, norms_a, maxabs_a,
             )
         )  # fmt: skip
     return int(
         _pk.pack_u16(
             bits, rows, lens, chunk_elems, tmpl, prio_a, prio_step, flags_a, flags_step,
-            first, mode, k0, k1, norms_a, maxabs_a, wire == DType.BF16,
+            first, mode, kw, norms_a, maxabs_a, wire == DType.BF16,
         )
     )  # fmt: skip
 
 
-def chunk_stats(src: np.ndarray, *, dtype: DType, chunk_elems: int) -> ChunkStats:
+def chunk_stats(src: np.ndarray, *, dtype: DType, chunk_elems: int, key: TagKey) -> ChunkStats:
     """The :class:`ChunkStats` of a shard (``src`` and ``chunk_elems`` as in :func:`pack`): one
-    read of the shard, no copy."""
+    read of the shard, no copy. The tag sums are those of ``key``'s mode: headers written from
+    these stats must use the same key."""
     wire, bits, chunk_elems, n_chunks = _chunked(src, dtype, chunk_elems)
+    mode, kw = _key_parts(key)
     norms = np.empty(n_chunks, dtype=np.float32)
     sum_a = np.empty(n_chunks, dtype=np.uint64)
     sum_b = np.empty(n_chunks, dtype=np.uint64)
     if n_chunks:
         if wire == DType.F32:
-            _pk.stats_f32(bits, chunk_elems, norms, sum_a, sum_b)
+            _pk.stats_f32(bits, chunk_elems, norms, sum_a, sum_b, mode, kw)
         else:
-            _pk.stats_u16(bits, chunk_elems, norms, sum_a, sum_b, wire == DType.BF16)
+            _pk.stats_u16(bits, chunk_elems, norms, sum_a, sum_b, wire == DType.BF16, mode, kw)
     return ChunkStats(norms, sum_a, sum_b)
 
 
@@ -195,9 +197,8 @@ def write_headers(
     Row ``c`` followed by chunk ``c``'s payload bytes is byte for byte the datagram
     :func:`pack` builds (same fields, norm and tag), so a driver sends the pair with one
     gathering ``sendmsg`` and the payload is never copied. ``stats`` are the shard's
-    :func:`chunk_stats`; ``prio`` and ``flags`` are per-chunk uint8 arrays. A SipHash key reads
-    each payload (its tag covers header and payload in one stream); the fast tag only combines
-    the precomputed sums.
+    :func:`chunk_stats` under the same ``key``; ``prio`` and ``flags`` are per-chunk uint8
+    arrays. Both tags split into header and payload sums, so only the precomputed sums are read.
     """
     wire, bits, chunk_elems, n_chunks = _chunked(src, dtype, chunk_elems)
     rows = _array("hdr", hdr, 2, writeable=True)
@@ -254,25 +255,14 @@ def fill_headers(
     (:func:`~gradlane.transport.wire.header.chunk_counts`), ``stats``' arrays, ``prio`` and
     ``flags`` (uint8) have ``n`` entries; ``words`` is :func:`header_words`. Wrong shapes here are
     memory errors, which is why only the sender's own arrays come this way."""
-    bits = _shard("src", src, dtype)
-    itemsize = ITEMSIZE[dtype]
+    _shard("src", src, dtype)
     # Read-only, as write_headers passes them: numba compiles (and caches) one
     # specialisation per array writability, and the warm-up compiles this one.
     tmpl = header_template(words)
     tmpl.flags.writeable = False
     prio, flags = _readonly(prio), _readonly(flags)
-    mode, k0, k1 = _key_parts(key)
-    hdr64 = hdr.view(np.uint64)
-    if mode == TAG_FAST:
-        _pk.headers_fast(
-            hdr64, counts, itemsize, tmpl, prio, flags, first_chunk,
-            stats.norms, stats.sum_a, stats.sum_b,
-        )  # fmt: skip
-    else:
-        scratch = np.zeros((HEADER_SIZE + chunk_elems * itemsize + 7) // 8, dtype=np.uint64)
-        src8 = bits.view(np.uint8)
-        src32 = src8[: src8.shape[0] // 4 * 4].view(np.uint32)
-        _pk.headers_siphash(
-            hdr64, scratch, src32, src8, chunk_elems * itemsize, counts, itemsize, tmpl, prio,
-            flags, first_chunk, stats.norms, k0, k1,
-        )  # fmt: skip
+    mode, kw = _key_parts(key)
+    _pk.headers(
+        hdr.view(np.uint64), counts, ITEMSIZE[dtype], tmpl, prio, flags, first_chunk,
+        stats.norms, stats.sum_a, stats.sum_b, mode, kw,
+    )  # fmt: skip

@@ -243,7 +243,7 @@ class UdpPlane:
         if self._closed:
             raise RuntimeError("the UDP plane is closed")
         # Compile the kernels now, not inside the first collective's deadlines.
-        warm_up(keyed=bool(self.config.secret), udp=True)
+        warm_up(udp=True)
         loop = self._loop = new_event_loop()
         self._thread = threading.Thread(
             target=self._run, args=(loop,), name=f"gradlane-engine-r{self.me}", daemon=True

@@ -215,7 +215,7 @@ class ZmqPlane:
         if self._thread is not None:
             return self
         # Compile the kernels now, not inside the first collective's deadlines.
-        warm_up(keyed=bool(self.config.secret), zmq=True)
+        warm_up(zmq=True)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
         self._ctx = ctx
         made: list[zmq.Socket[bytes]] = []
