@@ -23,7 +23,9 @@ frames of up to 1 MiB; ``summary.zmq_unbatched_vs_zmq`` gives the ratio.
 
 ``--keyed-compare`` adds the reliable UDP engine with a job secret (``udp_keyed``: every packet
 carries the keyed MAC instead of the checksum), interleaved; ``summary.udp_keyed_vs_unkeyed``
-gives its ratio to the default engine: what authentication costs.
+gives its ratio to the default engine: what authentication costs. ``--order-compare`` adds the
+reliable engine adding contributions as they arrive (``udp_unordered``) against the default,
+which adds them in rank order; ``summary.udp_ordered_vs_unordered`` is what the order costs.
 
 ``--daemon`` compares hierarchical daemon mode with the embedded engine for the same 4-rank
 all-reduce: two "hosts" of two ranks, one ``gradlane daemon`` process per host (host h on
@@ -78,8 +80,8 @@ import numpy as np
 
 MB = 1 << 20
 TRANSPORTS = (
-    "gloo", "udp_reliable", "udp_keyed", "udp_gso_only", "udp_no_offload", "udp_bounded", "zmq",
-    "zmq_unbatched", "daemon",
+    "gloo", "udp_reliable", "udp_keyed", "udp_unordered", "udp_gso_only", "udp_no_offload",
+    "udp_bounded", "zmq", "zmq_unbatched", "daemon",
 )  # fmt: skip
 #: ``--keyed-compare``: the job secret of the keyed engine (the same on every rank).
 KEYED_SECRET = "gradlane-bench-keyed"
@@ -88,6 +90,7 @@ OFFLOAD_VARIANTS = {"udp_gso_only": (True, False), "udp_no_offload": (False, Fal
 SUMMARY_KEYS = {
     "udp_reliable": "udp_reliable_vs_gloo",
     "udp_keyed": "udp_keyed_vs_gloo",
+    "udp_unordered": "udp_unordered_vs_gloo",
     "udp_gso_only": "udp_gso_only_vs_gloo",
     "udp_no_offload": "udp_no_offload_vs_gloo",
     "udp_bounded": "udp_bounded_vs_gloo",
@@ -116,14 +119,14 @@ def _udp_config(
     gso: bool = True,
     gro: bool = True,
     seed: int = 0,
-    secret: str | None = None,
+    **extra: Any,
 ) -> Any:
     from gradlane.scheduling.loss import LossConfig
     from gradlane.transport.config import loopback_config
 
     return loopback_config(
+        **extra,
         n_paths=N_PATHS,
-        secret=secret,
         chunk_bytes=chunk_bytes,
         udp_gso=gso,
         udp_gro=gro,
@@ -150,17 +153,19 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
     closers: list[Any] = []
     try:
         engines: dict[str, Any] = {}
-        kinds: list[tuple[str, float, bool, bool, str | None]] = [
-            ("udp_reliable", 0.0, True, True, None)
+        kinds: list[tuple[str, float, bool, bool, dict[str, Any]]] = [
+            ("udp_reliable", 0.0, True, True, {})
         ]
         if args["keyed_compare"]:
-            kinds.append(("udp_keyed", 0.0, True, True, KEYED_SECRET))
+            kinds.append(("udp_keyed", 0.0, True, True, {"secret": KEYED_SECRET}))
+        if args["order_compare"]:
+            kinds.append(("udp_unordered", 0.0, True, True, {"deterministic_sum": False}))
         if args["offload_compare"]:
-            kinds += [(name, 0.0, *flags, None) for name, flags in OFFLOAD_VARIANTS.items()]
+            kinds += [(name, 0.0, *flags, {}) for name, flags in OFFLOAD_VARIANTS.items()]
         if not args["daemon"]:
-            kinds.append(("udp_bounded", args["loss_bound"], True, True, None))
-        for name, bound, gso, gro, secret in kinds:
-            cfg = _udp_config(bound, args["chunk_bytes"], gso, gro, args["seed"], secret)
+            kinds.append(("udp_bounded", args["loss_bound"], True, True, {}))
+        for name, bound, gso, gro, extra in kinds:
+            cfg = _udp_config(bound, args["chunk_bytes"], gso, gro, args["seed"], **extra)
             loss = args["inject_loss"]
             tap = InjectedLoss(loss, seed=args["seed"]) if loss else None
             e = UdpPlane(rank, world, cfg, rx_tap=tap)
@@ -499,6 +504,12 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     plain = float(np.median(times["udp_reliable"][mb_key]))
                     row["ratio_to_unkeyed"] = med / plain
                     summary.setdefault("udp_keyed_vs_unkeyed", {})[f"{world}x{mb:g}"] = med / plain
+                if t == "udp_unordered":  # the default (ordered sums) against arrival order
+                    ordered = float(np.median(times["udp_reliable"][mb_key]))
+                    row["ratio_to_ordered"] = med / ordered
+                    summary.setdefault("udp_ordered_vs_unordered", {})[f"{world}x{mb:g}"] = (
+                        ordered / med
+                    )
                 if t in OFFLOAD_VARIANTS:  # the same engine without (some) offloads, against it
                     full = float(np.median(times["udp_reliable"][mb_key]))
                     row["ratio_to_offload"] = med / full
@@ -574,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also run the reliable UDP engine with a job secret (udp_keyed), interleaved",
     )
     ap.add_argument(
+        "--order-compare",
+        action="store_true",
+        help="also run the reliable UDP engine adding contributions in arrival order "
+        "(udp_unordered; the default adds them in rank order), interleaved",
+    )
+    ap.add_argument(
         "--zmq-batch-compare",
         action="store_true",
         help="also run a ZeroMQ plane sending one packet per frame (zmq_unbatched), interleaved",
@@ -616,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
             "zmq": not ns.no_zmq, "daemon": ns.daemon, "chunk_bytes": ns.chunk_bytes,
             "inject_loss": ns.inject_loss, "loss_bound": ns.loss_bound,
             "offload_compare": ns.offload_compare, "keyed_compare": ns.keyed_compare,
+            "order_compare": ns.order_compare,
             "zmq_batch_compare": ns.zmq_batch_compare and not ns.no_zmq}  # fmt: skip
     per_world: dict[int, dict[str, Any]] = {}
     for world in ranks:

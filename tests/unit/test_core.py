@@ -10,7 +10,7 @@ import pytest
 from gradlane.scheduling.loss import LossConfig
 from gradlane.scheduling.priority import PriorityConfig
 from gradlane.transport.config import TransportConfig
-from gradlane.transport.core.collective import TransposeAllReduce, from_f32, to_f32
+from gradlane.transport.core.collective import TransposeAllReduce, from_f32, shard_bounds, to_f32
 from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, flat
 from gradlane.transport.core.outgoing import ABANDONED, ACKED, INFLIGHT, LOST
 from gradlane.transport.errors import PeerTimeout
@@ -846,3 +846,42 @@ def test_nonfinite_values_are_reported_by_every_rank(dtype: DType) -> None:
             assert rep.nonfinite_chunks == bad, (r, rep)
             own = 1 if bad and r in (0, 2) else 0
             assert rep.reduce.nonfinite_chunks == own
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_deterministic_sums_are_the_same_bits_whatever_the_arrival_order(world: int) -> None:
+    """Each shard's owner adds its own contribution, then the others in rank order, however
+    the network reorders and loses them; with the order off, arrival order decides."""
+    n = 5000
+    rng = np.random.default_rng(world)
+    datas = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(np.float32)
+             for _ in range(world)]  # fmt: skip
+    bounds = np.linspace(0, n, world + 1).astype(int)
+    ref = np.empty(n, dtype=np.float32)
+    for owner in range(world):
+        part = slice(bounds[owner], bounds[owner + 1])
+        acc = datas[owner][part].copy()
+        for r in range(world):
+            if r != owner:
+                acc = (acc + datas[r][part]).astype(np.float32)
+        ref[part] = acc
+    results = {}
+    for det in (True, False):
+        for seed in range(3):
+            eps = make(world, deterministic_sum=det)
+            drop_rng = np.random.default_rng(100 + seed)
+            wire = Wire(eps, jitter=200e-6, seed=seed, drop=lambda *_, g=drop_rng: g.random() < 0.1)
+            out = run_allreduce(eps, datas, wire)
+            for r in range(world):
+                assert isinstance(out[r], AllReduceComplete)
+                results[(det, seed, r)] = out[r].result.view(np.uint32).copy()
+    assert bounds.tolist() == [int(b) for b in shard_bounds(n, world)]
+    for seed in range(3):
+        for r in range(world):
+            assert np.array_equal(results[(True, seed, r)], ref.view(np.uint32))
+    # Arrival order decides without it (the test's data makes float32 addition order matter).
+    assert any(
+        not np.array_equal(results[(False, seed, r)], ref.view(np.uint32))
+        for seed in range(3)
+        for r in range(world)
+    )

@@ -45,6 +45,9 @@ from gradlane.transport.core.incoming import InKey
 from gradlane.transport.core.sender import OutKey
 from gradlane.transport.wire.header import DType, Phase, TransferSpec, chunk_counts
 
+#: Staging buffers of ordered reduces kept for reuse (the largest), per rank.
+_STAGES_KEPT = 4
+
 __all__ = [
     "TransposeAllReduce",
     "check_servers",
@@ -162,6 +165,7 @@ class _Collective:
     gather_reports: dict[int, LossReport] = field(default_factory=dict)
     gather_received: dict[int, np.ndarray] = field(default_factory=dict)
     nonfinite: int = 0  # chunks of this rank's finished shard holding NaN/inf (from their norms)
+    stage: np.ndarray | None = None  # the ordered reduce's staging buffer, while it runs
     # While waiting for the peers' last acknowledgements: the wait's end, or None until the
     # driver next passes in a time (see TransposeAllReduce._conclude).
     finish_by: float | None = 0.0
@@ -191,6 +195,9 @@ class TransposeAllReduce:
         # Complete collectives waiting (up to ack_wait_s) for their outgoing data to be acked.
         self._waiting: dict[tuple[int, int], _Collective] = {}
         self._events: deque[Event] = deque()
+        # Staging buffers of ordered reduces (deterministic_sum), kept for reuse: a fresh one
+        # would take a page fault on every page a contribution waits in.
+        self._stages: list[np.ndarray] = []
 
     # -- collective API ------------------------------------------------------------------------
     def start(
@@ -303,6 +310,10 @@ class TransposeAllReduce:
         received[me] = 1
         spec = TransferSpec(step, bucket, me, Phase.REDUCE, wdt, hi - lo, chunk_elems, 0, world)
         senders = tuple(r for r in range(world) if r != me)
+        order = None
+        if self.config.deterministic_sum and len(senders) > 1:  # two addends commute exactly
+            c.stage = self._take_stage(world * (hi - lo))
+            order = kernels.sum_order(senders, world, hi - lo, n_mine, c.stage)
         # The reduce transfer is expected first: every transfer of this collective shares one
         # hard deadline, and the receiver checks them in insertion order, so when a peer never
         # sends, the failure names it (reduce phase) rather than a neighbour whose gather is
@@ -319,6 +330,7 @@ class TransposeAllReduce:
             stats=c.stats,
             final=world,
             scale=scale if c.stats is not None else 1.0,  # 16-bit: scaled at the gather's start
+            order=order,
         )
         for j in range(world):
             if j == me:
@@ -480,7 +492,24 @@ class TransposeAllReduce:
         else:
             self._finish(c, now)
 
+    def _take_stage(self, n: int) -> np.ndarray:
+        """A float32 staging buffer of at least ``n`` elements, from the pool if one fits."""
+        fits = [i for i, b in enumerate(self._stages) if b.shape[0] >= n]
+        if fits:
+            return self._stages.pop(min(fits, key=lambda i: self._stages[i].shape[0]))
+        return np.empty(n, dtype=np.float32)
+
+    def _give_stage(self, c: _Collective) -> None:
+        """Return ``c``'s staging buffer (its reduce is over) to the pool, which keeps the
+        largest few."""
+        if c.stage is not None:
+            self._stages.append(c.stage)
+            self._stages.sort(key=lambda b: -b.shape[0])
+            del self._stages[_STAGES_KEPT:]
+            c.stage = None
+
     def _start_gather(self, c: _Collective, now: float) -> None:
+        self._give_stage(c)  # the reduce transfer is complete: nothing is staged any more
         me, world = self.me, self.world
         lo, hi = int(c.bounds[me]), int(c.bounds[me + 1])
         chunk_elems = self.config.chunk_elems(c.dtype)
@@ -563,4 +592,5 @@ class TransposeAllReduce:
         for j in range(self.world):
             for phase in (Phase.REDUCE, Phase.GATHER):
                 self.endpoint.receiver.abort(InKey(c.step, c.bucket, j, phase))
+        self._give_stage(c)  # after the aborts: no kernel writes into it any more
         self._events.append(AllReduceFailed(ev.step, ev.bucket, ev.error))

@@ -103,6 +103,7 @@ class InTransfer:
         self.rejected = 0
         self.done = False
         self.plan: kernels.ReceivePlan | None = None  # the receive kernels' checked arguments
+        self.order: kernels.SumOrder | None = None  # a reduce's fixed order of senders
 
     @property
     def gather(self) -> bool:

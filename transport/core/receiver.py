@@ -154,14 +154,18 @@ class ReceiverCore:
         stats: kernels.ChunkStats | None = None,
         final: int = 0,
         scale: float = 1.0,
+        order: kernels.SumOrder | None = None,
     ) -> InTransfer:
         """Start receiving ``key`` into ``target``; replays any packets that came early.
 
         ``stats`` (an F32 reduce): the reduce kernel multiplies every chunk whose ``contrib``
         reaches ``final`` by ``scale`` and writes its statistics there, from the finished sum
-        (see :func:`kernels.prepare_receive`).
+        (see :func:`kernels.prepare_receive`). ``order`` (a reduce): contributions are added in
+        that order of senders (:func:`kernels.sum_order`); what is still staged at completion
+        is added then.
         """
         t = InTransfer(key, spec, senders, target, contrib, received, now, stats, final, scale)
+        t.order = order
         self.transfers[key] = t
         self._refresh_check(t)
         self._early_at.pop(key, None)
@@ -203,7 +207,7 @@ class ReceiverCore:
             plan = t.plan = kernels.prepare_receive(
                 session, t.spec, t.target, t.contrib, t.received, self.counters,
                 place=t.gather, stats=t.stats, final=t.final, scale=t.scale,
-                nonfinite=t.nonfinite if t.gather else None,
+                nonfinite=t.nonfinite if t.gather else None, order=t.order,
             )  # fmt: skip
         kernels.receive_rows(plan, arena, lengths, rows, verdicts)
         # The ACK state follows the judged rows (see
@@ -674,6 +678,8 @@ class ReceiverCore:
             self._out.append(Datagram(data, src, int(t.path[r]), self.tos))
 
     def _complete(self, t: InTransfer, now: float, degraded: bool, clean: bool = True) -> None:
+        if t.plan is not None and t.order is not None:
+            kernels.flush_order(t.plan)  # contributions a missing sender kept waiting
         missing = t.missing_elems()
         n = t.spec.n_elems
         report = LossReport(

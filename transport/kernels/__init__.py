@@ -37,10 +37,13 @@ from gradlane.transport.kernels.acks import AckResult, SentChunks, apply_ack
 from gradlane.transport.kernels.buffers import hadamard_forward, hadamard_inverse, local_sum
 from gradlane.transport.kernels.receiving import (
     ReceivePlan,
+    SumOrder,
+    flush_order,
     place_into,
     prepare_receive,
     receive_rows,
     reduce_into,
+    sum_order,
 )
 from gradlane.transport.kernels.sending import (
     ChunkStats,
@@ -58,10 +61,12 @@ __all__ = [
     "KernelConfig",
     "ReceivePlan",
     "SentChunks",
+    "SumOrder",
     "apply_ack",
     "chunk_stats",
     "copy_bytes",
     "fill_headers",
+    "flush_order",
     "hadamard_forward",
     "hadamard_inverse",
     "header_words",
@@ -71,5 +76,6 @@ __all__ = [
     "prepare_receive",
     "receive_rows",
     "reduce_into",
+    "sum_order",
     "write_headers",
 ]

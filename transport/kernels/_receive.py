@@ -325,6 +325,75 @@ def _check_rows(rows: np.ndarray, n_rows: int) -> None:
             raise ValueError("rows must index arena rows")
 
 
+@njit(**EXACT)
+def ordered_add(
+    acc: np.ndarray,
+    pay: np.ndarray,
+    sr: int,
+    chunk: int,
+    off: int,
+    order: np.ndarray,
+    pos: np.ndarray,
+    stage: np.ndarray,
+    staged: np.ndarray,
+) -> None:
+    """Add sender row ``sr``'s contribution ``pay`` (float32 values of ``chunk``, at element
+    ``off``) into ``acc`` in the canonical order ``order`` (sender rows, ascending), so the
+    float32 sum does not depend on arrival order.
+
+    ``pos[chunk]`` indexes the next row due. A contribution that is not due is copied into its
+    ``stage`` row and flagged in ``staged``; one that is due is added, then every staged one
+    that it unblocks, in order. Out of line: only ordered receives come here."""
+    count = pay.shape[0]
+    p = pos[chunk]
+    if p >= order.shape[0] or order[p] != sr:
+        st = stage[sr, off : off + count]
+        for j in range(count):
+            st[j] = pay[j]
+        staged[sr, chunk] = 1
+        return
+    for j in range(count):
+        acc[j] += pay[j]
+    p += 1
+    while p < order.shape[0] and staged[order[p], chunk]:
+        r = order[p]
+        st = stage[r, off : off + count]
+        for j in range(count):
+            acc[j] += st[j]
+        staged[r, chunk] = 0
+        p += 1
+    pos[chunk] = p
+
+
+@njit(**EXACT)
+def flush_ordered(
+    accum: np.ndarray,
+    chunk_elems: int,
+    order: np.ndarray,
+    pos: np.ndarray,
+    stage: np.ndarray,
+    staged: np.ndarray,
+) -> int:
+    """Add every contribution still staged (a chunk completed without some sender, within the
+    loss bound) in the canonical order, skipping the missing ones; returns how many."""
+    n = accum.shape[0]
+    added = 0
+    for chunk in range(pos.shape[0]):
+        off = chunk * chunk_elems
+        count = min(chunk_elems, n - off)
+        acc = accum[off : off + count]
+        for p in range(pos[chunk], order.shape[0]):
+            r = order[p]
+            if staged[r, chunk]:
+                st = stage[r, off : off + count]
+                for j in range(count):
+                    acc[j] += st[j]
+                staged[r, chunk] = 0
+                added += 1
+        pos[chunk] = order.shape[0]
+    return added
+
+
 # The batch loops keep the per-packet body written out in the loop: an inlined helper taking the
 # arrays as arguments compiles to a slower loop (the aliasing of the module docstring again).
 # Each loop: fast header check, tag, duplicate check, then the add/copy from the L1-hot row.
@@ -348,8 +417,15 @@ def reduce_f32(
     sum_b: np.ndarray,
     final: int,
     scale: np.float32,
+    order: np.ndarray,
+    pos: np.ndarray,
+    stage: np.ndarray,
+    staged: np.ndarray,
 ) -> int:
     """Validate each batch row and add the valid F32 payloads into ``accum``.
+
+    With ``order`` (empty: off) the payloads are added in that order of sender rows, whatever
+    the arrival order (:func:`ordered_add`).
 
     With ``norms`` (one per chunk; empty: off), a chunk whose contributor count reaches
     ``final`` is finished right after that last add, while it is still in cache: multiplied by
@@ -367,6 +443,7 @@ def reduce_f32(
     af = arena.view(np.float32)
     want_verdicts = verdicts.shape[0] > 0
     want_stats = norms.shape[0] > 0
+    ordered = order.shape[0] > 0
     one = np.float32(1.0)
     _check_rows(rows, arena.shape[0])
     accepted = 0
@@ -388,8 +465,13 @@ def reduce_f32(
             off = chunk * ce
             acc = accum[off : off + count]
             pay = af[r, PAYLOAD_WORD : PAYLOAD_WORD + count]
-            for j in range(count):
-                acc[j] += pay[j]
+            if ordered:
+                # Complete (contrib == final) only once every sender came: the one that came
+                # last was then the one due, so the ordered sum is finished too.
+                ordered_add(acc, pay, sr, chunk, off, order, pos, stage, staged)
+            else:
+                for j in range(count):
+                    acc[j] += pay[j]
             contrib[chunk] += np.uint16(1)
             if want_stats and contrib[chunk] == final:
                 if scale != one:
@@ -421,8 +503,13 @@ def reduce_u16(
     counters: np.ndarray,
     verdicts: np.ndarray,
     bf16: bool,
+    order: np.ndarray,
+    pos: np.ndarray,
+    stage: np.ndarray,
+    staged: np.ndarray,
 ) -> int:
-    """Validate each batch row and add the valid F16/BF16 payloads (as float32) into ``accum``."""
+    """Validate each batch row and add the valid F16/BF16 payloads (as float32) into ``accum``,
+    in ``order`` if given (as :func:`reduce_f32`)."""
     sp = load_spec(spec)
     ex = expected_words(sp, arena.shape[1])
     ce = sp[S_T_CHUNK_ELEMS]
@@ -432,6 +519,7 @@ def reduce_u16(
     a64 = arena.view(np.uint64)
     a16 = arena.view(np.uint16)
     want_verdicts = verdicts.shape[0] > 0
+    ordered = order.shape[0] > 0
     _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
@@ -452,7 +540,12 @@ def reduce_u16(
             off = chunk * ce
             acc = accum[off : off + count]
             half = a16[r, PAYLOAD_HALF : PAYLOAD_HALF + count]
-            if bf16:
+            if ordered:
+                vals = np.empty(count, dtype=np.float32)
+                for j in range(count):
+                    vals[j] = bf16_to_f32(half[j]) if bf16 else f16_to_f32(half[j])
+                ordered_add(acc, vals, sr, chunk, off, order, pos, stage, staged)
+            elif bf16:
                 for j in range(count):
                     acc[j] += bf16_to_f32(half[j])
             else:

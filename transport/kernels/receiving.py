@@ -9,6 +9,7 @@ call.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -90,8 +91,65 @@ def _identity_rows(n: int) -> np.ndarray:
 
 
 _NO_U32 = np.empty(0, dtype=np.uint32)
+_NO_I32 = np.empty(0, dtype=np.int32)
+_NO_STAGE = np.empty((0, 0), dtype=np.float32)
+_NO_STAGED = np.empty((0, 0), dtype=np.uint8)
 
 _ONE = np.float32(1.0)
+
+
+class SumOrder(NamedTuple):
+    """What a reduce needs to add contributions in a fixed order of senders (deterministic
+    sums): ``order`` the sender rows (``src - src_lo``) in the order they are added, ``pos`` the
+    next one due per chunk, ``stage`` (float32, ``(src_hi - src_lo, n_elems)``) where a
+    contribution that came early waits, and ``staged`` its flags. Build it with
+    :func:`sum_order`."""
+
+    order: np.ndarray
+    pos: np.ndarray
+    stage: np.ndarray
+    staged: np.ndarray
+
+
+_NO_ORDER = SumOrder(_NO_I32, _NO_I32, _NO_STAGE, _NO_STAGED)
+
+
+def sum_order(
+    rows: Sequence[int], n_src: int, n_elems: int, n_chunks: int, stage: np.ndarray | None = None
+) -> SumOrder:
+    """A :class:`SumOrder` adding sender rows ``rows`` in that order, for a transfer of
+    ``n_src`` sender rows, ``n_elems`` elements and ``n_chunks`` chunks. ``stage`` may be a
+    float32 C-contiguous buffer of at least ``n_src * n_elems`` elements to reuse (its content
+    does not matter): a fresh one costs a page fault per page it stages into."""
+    order = np.asarray(rows, dtype=np.int32)
+    if order.ndim != 1 or len(set(order.tolist())) != order.shape[0]:
+        raise ValueError(f"rows must be distinct sender rows, got {list(rows)}")
+    if order.size and not (int(order.min()) >= 0 and int(order.max()) < n_src):
+        raise ValueError(f"rows {order.tolist()} must lie in 0..{n_src - 1}")
+    need = n_src * n_elems
+    if stage is None:
+        buf = np.empty(need, dtype=np.float32)
+    else:
+        buf = _array("stage", stage, 1, writeable=True)
+        if buf.dtype != np.float32 or buf.shape[0] < need or not buf.flags.c_contiguous:
+            raise ValueError(f"stage must be C-contiguous float32 with >= {need} elements")
+    return SumOrder(
+        order,
+        np.zeros(n_chunks, dtype=np.int32),
+        buf[:need].reshape(n_src, n_elems),
+        np.zeros((n_src, n_chunks), dtype=np.uint8),
+    )
+
+
+def flush_order(plan: ReceivePlan) -> int:
+    """Add every contribution still staged by an ordered reduce, in its order (a chunk that
+    completed without some sender); returns how many. Call it when the transfer completes."""
+    o = plan.order
+    if o.order.shape[0] == 0:
+        return 0
+    return int(
+        _rx.flush_ordered(plan.target, plan.transfer.chunk_elems, o.order, o.pos, o.stage, o.staged)
+    )
 
 
 class ReceivePlan(NamedTuple):
@@ -112,6 +170,7 @@ class ReceivePlan(NamedTuple):
     final: int = 0  # the contributor count that completes a chunk
     target_bits: np.ndarray = _NO_U32  # the accumulator's u32 view (F32 reduce with stats)
     scale: np.float32 = _ONE  # what a completed sum is multiplied by (F32 reduce with stats)
+    order: SumOrder = _NO_ORDER  # a fixed order of senders for the reduce (empty: arrival order)
 
 
 def prepare_receive(
@@ -127,6 +186,7 @@ def prepare_receive(
     final: int = 0,
     scale: float = 1.0,
     nonfinite: np.ndarray | None = None,
+    order: SumOrder | None = None,
 ) -> ReceivePlan:
     """Check once what :func:`reduce_into` (``place=False``: ``target`` is ``accum``) or
     :func:`place_into` (``target`` is ``out``) would check on every call, except the batch.
@@ -143,6 +203,10 @@ def prepare_receive(
 
     ``nonfinite`` (place only: uint8, one per chunk) gets 1 for every chunk whose placed data
     holds a NaN or an infinity, checked in the copy loop.
+
+    ``order`` (reduce only; :func:`sum_order`) adds the contributions in a fixed order of
+    senders instead of as they arrive, so the float32 sums are the same bits on every run; a
+    chunk that completes without some sender needs :func:`flush_order` at the end.
     """
     spec, key = _spec(session, transfer)
     recv = _array("received", received, 2, writeable=True)
@@ -155,6 +219,7 @@ def prepare_receive(
             f"{recv.dtype.name}{recv.shape}"
         )
     _typed("counters", counters, np.int64, (N_REASONS,))
+    shape0 = (transfer.n_chunks,)
     wire = DType(transfer.dtype)
     if stats is not None and (place or wire != DType.F32):
         raise ValueError("stats are computed by the F32 reduce only")
@@ -195,6 +260,17 @@ def prepare_receive(
     )
     if place and nonfinite is not None:
         plan = plan._replace(nonfinite=nonf)
+    if order is not None:
+        if place:
+            raise ValueError("a sum order applies to the reduce only")
+        n_src = want[0]
+        if (
+            order.stage.shape != (n_src, transfer.n_elems)
+            or order.pos.shape != shape0
+            or (order.staged.shape != (n_src, transfer.n_chunks))
+        ):
+            raise ValueError("order was built for another transfer (see sum_order)")
+        plan = plan._replace(order=order)
     if stats is None:
         return plan
     shape = (transfer.n_chunks,)
@@ -247,9 +323,10 @@ def receive_rows(
     if p.transfer.dtype == DType.F32:
         return int(_rx.reduce_f32(rows_a, lens, idx, *args, p.target, p.contrib, p.received,
                                   p.counters, verd, p.target_bits, *p.stats, p.final,
-                                  p.scale))  # fmt: skip
+                                  p.scale, *p.order))  # fmt: skip
     return int(_rx.reduce_u16(rows_a, lens, idx, *args, p.target, p.contrib, p.received,
-                              p.counters, verd, p.transfer.dtype == DType.BF16))  # fmt: skip
+                              p.counters, verd, p.transfer.dtype == DType.BF16,
+                              *p.order))  # fmt: skip
 
 
 def reduce_into(
