@@ -17,7 +17,8 @@ import pytest
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.drivers.peers import StaticPeers
 from gradlane.transport.drivers.udp.plane import UdpPlane
-from gradlane.transport.wire.header import BITMAP_KINDS, Kind, Phase
+from gradlane.transport.wire.header import BITMAP_KINDS, DType, Header, Kind, Phase, encode
+from gradlane.transport.wire.tag import TagKey
 
 from tests.support.wire import forge
 
@@ -78,3 +79,35 @@ def test_hostile_datagrams_never_fail_a_collective(pair: list[UdpPlane]):
     sent = 3 * len(e0.bound)
     assert rejected.get("unexpected_kind", 0) == 2 * sent  # each HELLO, twice: HELLO and Kind
     assert rejected.get("bitmap_range", 0) == 2 * sent
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pair", [None, "the job's secret"], indirect=True)
+def test_forged_nan_data_is_flagged_without_a_secret_and_rejected_with_one(pair: list[UdpPlane]):
+    """DATA forged as rank 1's first chunk of rank 0's shard, NaN payload, valid checksum:
+    without a secret it is summed (the checksum is no defence) but every rank's report says
+    the result holds non-finite chunks; with one it fails its tag and the sum is exact."""
+    e0, e1 = pair
+    cfg = e0.config
+    n = 300_000
+    count = cfg.chunk_elems(DType.F32)
+    nan = np.full(count, np.nan, np.float32)
+    head = Header(kind=Kind.DATA, job=cfg.job, step=1, bucket=0, shard=0, src=1, dst=0,
+                  phase=Phase.REDUCE, dtype=DType.F32, chunk=0, count=count)  # fmt: skip
+    forged = encode(head, nan, TagKey())  # the unkeyed checksum: anyone can compute it
+    data = [np.ones(n, np.float32), np.full(n, 2.0, np.float32)]
+    f0 = e0.submit(1, 0, data[0])
+    assert e0.stats()["in_flight"] == 1
+    assert cfg.n_paths == 1  # one socket: the forgery is queued before rank 1's first chunk
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(forged, e0.bound[0])
+    f1 = e1.submit(1, 0, data[1])
+    (r0, rep0), (r1, rep1) = f0.result(WAIT_S), f1.result(WAIT_S)
+    if cfg.secret:
+        np.testing.assert_array_equal(r0, np.full(n, 3.0, np.float32))
+        assert rep0.nonfinite_chunks == rep1.nonfinite_chunks == 0
+        assert e0.stats()["rejected"].get("bad_tag", 0) == 1
+    else:
+        assert np.isnan(r0[:count]).all() and np.array_equal(r0, r1, equal_nan=True)
+        assert rep0.nonfinite_chunks == rep0.reduce.nonfinite_chunks == 1
+        assert rep1.nonfinite_chunks == 1 and rep1.reduce.nonfinite_chunks == 0
