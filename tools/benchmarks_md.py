@@ -60,8 +60,8 @@ RENAMED = (
 # fmt: on
 SETTINGS = ("config", "options", "spec", "network", "workload")
 TABLES = ("rows", "results", "configs")
-MACHINE = ("machine", "cpus", "cpu_count", "cpu_model", "host_load", "load_avg_1m", "commit",
-           "command", "started")  # fmt: skip
+MACHINE = ("machine", "host", "cpus", "cpu_count", "cpu_model", "host_load", "load_avg_1m",
+           "commit", "command", "started")  # fmt: skip
 TRANSPOSE_OVER = 13  # a table with more columns than this is printed with rows and columns swapped
 
 
@@ -134,10 +134,18 @@ def machine(data: dict[str, Any], nested: bool = False) -> list[str]:
     in ``runs`` names only what it records itself; its file names the rest."""
     config: dict[str, Any] = data["config"] if isinstance(data.get("config"), dict) else {}
     mach: dict[str, Any] = data["machine"] if isinstance(data.get("machine"), dict) else {}
-    pool = {**mach, **config, **data}
+    host: dict[str, Any] = data["host"] if isinstance(data.get("host"), dict) else {}
+    pool = {**mach, **config, **host, **data}
     cores = pool.get("cpus") or pool.get("cpu_count")
     cores = f"{cores} cores" if cores else "cores not recorded"
-    if pool.get("host_load"):
+    if pool.get("load_start") and pool.get("load_end"):
+        load = (
+            f"1-minute load average {pool['load_start'][0]:.2f} at the start, "
+            f"{pool['load_end'][0]:.2f} at the end"
+        )
+        if pool.get("warning"):
+            load += f" (**{pool['warning']}**)"
+    elif pool.get("host_load"):
         load = "load average " + " / ".join(f"{x:.2f}" for x in pool["host_load"]) + " (1/5/15 min)"
     elif pool.get("load_avg_1m"):
         before, after = pool["load_avg_1m"]

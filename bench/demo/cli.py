@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from gradlane.bench.host import HostWatch
 from gradlane.integrations.cli.command import Command, RunProgress, emit
 
 __all__ = ["COMMAND", "add_arguments", "run"]
@@ -142,12 +143,14 @@ def _run_ddp(args: argparse.Namespace) -> int:
     if args.transport == "zmq" and args.inject_loss:
         emit("  (--inject-loss and --loss-bound apply to udp only: ZeroMQ is reliable)")
 
+    host = HostWatch()
     try:
         with RunProgress() as bars:
             out = run_demo(opts, _on_progress(bars))
     except (DemoError, ValueError) as e:
         emit(f"gradlane demo failed: {e}", err=True)
         return 1
+    out["host"] = host.record()
     return _report(out, args)
 
 

@@ -77,6 +77,7 @@ import traceback
 from typing import Any
 
 import numpy as np
+from gradlane.bench.host import HostWatch
 
 MB = 1 << 20
 TRANSPORTS = (
@@ -611,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         help="daemon mode (2 hosts x ranks/2) against the embedded engine; default --ranks 4",
     )
     ns = ap.parse_args(argv)
+    host = HostWatch()
     if ns.quick:
         ns.ranks, ns.sizes, ns.reps = "2", "1,25", 3
     if ns.daemon and ns.ranks == "2,4":
@@ -654,9 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                 **args,
                 "ranks": ranks,
                 "n_paths": N_PATHS,
-                "cpus": os.cpu_count(),
-                "host_load": os.getloadavg(),
             },
+            "host": host.record(),
             **report,
         }
         with open(ns.json, "w") as f:

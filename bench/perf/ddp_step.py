@@ -72,6 +72,7 @@ from typing import Any
 import numpy as np
 import torch
 from gradlane.bench.demo.models import big_mlp
+from gradlane.bench.host import HostWatch
 from gradlane.transport.drivers.plane import PlaneWrapper
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -599,6 +600,7 @@ def cuda_missing() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    host = HostWatch()
     if opts["device"] == "cuda":
         why = cuda_missing()
         if why is not None:
@@ -630,12 +632,11 @@ def main(argv: list[str] | None = None) -> int:
                 "grad_bytes": first["grad_bytes"],
                 "n_paths": N_PATHS,
                 "chunk_bytes": 65000,
-                "cpus": os.cpu_count(),
-                "host_load": os.getloadavg(),
                 "commit": _commit(),
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
                 **env,
             },
+            "host": host.record(),
             **report,
             "times": {str(w): out["times"] for w, out in per_world.items()},
         }

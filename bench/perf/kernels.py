@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import platform
 import statistics
 import sys
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from gradlane.bench.host import HostWatch
 from gradlane.transport import kernels
 from gradlane.transport.wire.header import (
     HEADER_SIZE,
@@ -260,7 +260,6 @@ def run(quick: bool) -> dict[str, Any]:
             "python": sys.version.split()[0],
             "numpy": np.__version__,
             "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
         },
         "config": {"fastmath": kernels.CONFIG.fastmath, "reps": reps, "quick": quick},
         "results": results,
@@ -274,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help="25 MB only, fewer repetitions")
     args = parser.parse_args(argv)
+    host = HostWatch()
     doc = run(args.quick)
+    doc["host"] = host.record()
     print(json.dumps(doc["summary"], indent=2))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Protocol
 
+from gradlane.bench.host import HostWatch
 from gradlane.bench.replay.rank import NetParams, ReplayConfig, config_names, describe
 from gradlane.bench.replay.rank_pipes import RankError, RankPipes
 from gradlane.integrations.cli.command import RunProgress, emit
@@ -261,7 +262,7 @@ def run_replay(
     }
     links: dict[str, Any] = {}
     before = net.link_stats()
-    load_before = os.getloadavg()
+    host = HostWatch()
     t0 = time.monotonic()
     jobs = [
         {**job, "rank": r, "addrs": net.addrs(r), "gloo_addr": net.gloo_addr(r)}
@@ -291,9 +292,8 @@ def run_replay(
         },
         "steps": steps,
         "link_stats": links,  # the switch ports over the whole run (all configurations)
-        "cpus": os.cpu_count(),
-        # Other work on a shared machine shows here (1-minute load averages, before and after).
-        "load_avg_1m": [load_before[0], os.getloadavg()[0]],
+        # Other work on a shared machine shows here (load averages at the start and the end).
+        "host": host.record(),
         "wall_s": time.monotonic() - t0,
     }
 
