@@ -1,17 +1,21 @@
 """One IPC message, or one trainer's segment, must not stop the daemon: hostile messages are
-answered with a counted REJECT and a truncated segment fails its request, after which a real
-all-reduce through the same daemon is exact; a daemon whose loop does fail exits non-zero.
+answered with a counted REJECT, a descriptor that is not a sealed memfd with a counted FAIL, and
+a trainer cannot shrink its segment at all, after which a real all-reduce through the same
+daemon is exact; a daemon whose loop does fail exits non-zero.
 
-The message attacks run against an in-process daemon (its counters are visible); the segment
-attack against a ``gradlane daemon`` process, where a SIGBUS would show as the process dying.
+The attacks whose counters are checked run against an in-process daemon; the truncating trainer
+against a ``gradlane daemon`` process, where a SIGBUS would show as the process dying.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,11 +25,10 @@ import zmq
 from gradlane.transport.daemon import messages as ipc
 from gradlane.transport.daemon.shm import Segment
 
-from tests.loopback.test_daemon_ipc import ROOT, WAIT_S, Host, _pair_step
+from tests.loopback.test_daemon_ipc import NO_FD, ROOT, WAIT_S, Host, _pair_step
 
 ANSWER_S = 20.0
-#: Elements of the truncated bucket: its pages past the new end fault when touched through a
-#: mapping (a truncate inside the last page would leave that page readable).
+#: Elements of a bucket: several pages, so a truncate could cut whole pages off a mapping.
 N = 16384
 HELLO = {"rank": 0, "world": 2, "local_rank": 0, "local_world": 2}
 
@@ -97,52 +100,155 @@ def test_each_hostile_message_is_rejected_and_the_daemon_keeps_summing_exactly(h
         raw.close()
 
 
-def test_a_segment_truncated_after_submit_fails_that_request_not_the_daemon(host: Host):
+def _submit(raw: Raw, welcome: dict[str, Any], step: int, name: str, fd: int) -> None:
+    """Send local rank 0's SUBMIT of bucket 0 (``N`` float32) naming ``name`` at ``fd``."""
+    sub = {"generation": welcome["generation"], "step": step, "bucket": 0, "shm": name, "fd": fd,
+           "offset": 0, "numel": N, "dtype": 0, "layer_position": 0.0,
+           "pinned": False}  # fmt: skip
+    raw.sock.send_multipart(ipc.encode("SUBMIT", **sub))
+
+
+def _answer(raw: Raw, p: subprocess.Popen[str] | None = None) -> tuple[str, dict[str, Any]]:
+    """The daemon's next answer to ``raw`` (bounded); ``p``: the daemon process, if any."""
+    if not raw.sock.poll(int(WAIT_S * 1000)):
+        pytest.fail("no answer" + ("" if p is None else f"; daemon exit code {p.poll()}"))
+    return ipc.decode(raw.sock.recv_multipart())
+
+
+def test_a_trainer_truncating_its_segment_in_a_loop_cannot_kill_the_daemon(host: Host):
+    """The owner's truncates (shrink, grow, through its descriptor or a fresh open of it) all
+    fail with EPERM while the daemon reads and writes the segment, step after step; each step
+    is the exact sum, and the daemon process lives on."""
     p = host.process()
     raw = Raw(host.socket)
     partner = host.client(1)
-    segs: list[Segment] = []
+    seg: Segment | None = None
+    stop, tried = threading.Event(), threading.Event()
+    errnos: list[int] = []
+    hammer: threading.Thread | None = None
+
+    def truncate_in_a_loop(fd: int) -> None:
+        while not stop.is_set():
+            for size in (0, 100, 8 * N):
+                for how in (os.ftruncate, lambda fd, n: os.truncate(f"/proc/self/fd/{fd}", n)):
+                    try:
+                        how(fd, size)
+                        errnos.append(0)
+                    except OSError as e:
+                        errnos.append(e.errno or -1)
+            tried.set()
+
     try:
         kind, welcome = raw.ask([b"HELLO", _hello(host.job)])
         assert kind == "WELCOME", welcome
-
-        def submit(step: int, serial: int) -> Segment:
-            seg = Segment.create(f"{welcome['prefix']}b0.0-{serial}", 4 * N)
-            segs.append(seg)
-            seg.array(np.float32, N)[:] = 1.0
-            sub = {"generation": welcome["generation"], "step": step, "bucket": 0,
-                   "shm": seg.name, "offset": 0, "numel": N, "dtype": 0,
-                   "layer_position": 0.0, "pinned": False}  # fmt: skip
-            raw.sock.send_multipart(ipc.encode("SUBMIT", **sub))
-            # The daemon reads one connection in order: once this probe is answered, the
-            # SUBMIT has been taken (checked and queued in its slot).
-            assert raw.ask([b"BYE", b"{"])[0] == "REJECT"
-            return seg
-
-        seg = submit(0, 1)
-        seg.close()  # the test must not touch the mapping of a file it truncates
-        os.truncate(seg.path, 100)
-        fut = partner.submit(0, 0, np.full(N, 2.0, dtype=np.float32))  # the slot fills
-        assert raw.sock.poll(int(WAIT_S * 1000)), f"no answer; daemon exit code {p.poll()}"
-        kind, fail = ipc.decode(raw.sock.recv_multipart())
-        assert kind == "FAIL" and "truncated by its owner to 100 B" in fail["error"], fail
-        with pytest.raises(Exception, match=r"local rank 0: .*truncated"):
-            fut.result(WAIT_S)
+        seg = Segment.create(f"{welcome['prefix']}b0.0-1", 4 * N)
+        hammer = threading.Thread(target=truncate_in_a_loop, args=(seg.fd,), daemon=True)
+        hammer.start()
+        assert tried.wait(WAIT_S)
+        for step in range(4):
+            mine = np.arange(N, dtype=np.float32) * (step + 1)
+            theirs = np.full(N, 2.0 * step, dtype=np.float32)
+            seg.array(np.float32, N)[:] = mine
+            _submit(raw, welcome, step, seg.name, seg.fd)
+            fut = partner.submit(step, 0, theirs)
+            kind, done = _answer(raw, p)
+            assert kind == "DONE", done
+            np.testing.assert_array_equal(seg.array(np.float32, N), mine + theirs)
+            np.testing.assert_array_equal(fut.result(WAIT_S)[0], mine + theirs)
+        stop.set()
+        hammer.join(WAIT_S)
+        assert errnos and set(errnos) == {errno.EPERM}, set(errnos)
+        assert os.fstat(seg.fd).st_size == 4 * N
         assert p.poll() is None, f"the daemon died with exit code {p.returncode}"
+    finally:
+        stop.set()
+        if hammer is not None:
+            hammer.join(WAIT_S)  # before the descriptor it truncates is closed
+        raw.close()
+        if seg is not None:
+            seg.close()
 
-        seg = submit(1, 2)  # the same trainer, a sound segment: served as usual
-        fut = partner.submit(1, 0, np.full(N, 2.0, dtype=np.float32))
-        assert (fut.result(WAIT_S)[0] == 3.0).all()
-        assert raw.sock.poll(int(WAIT_S * 1000))
-        kind, done = ipc.decode(raw.sock.recv_multipart())
+
+def _held_by_a_child(host: Host, prefix: str, fd: int) -> subprocess.Popen[str]:
+    """A process holding a sealed segment named under ``prefix`` at descriptor ``fd``."""
+    code = (
+        "import os, sys\n"
+        "from gradlane.transport.daemon.shm import Segment\n"
+        f"seg = Segment.create({prefix + 'b0.0-7'!r}, {4 * N})\n"
+        f"os.dup2(seg.fd, {fd}, inheritable=False)\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+    host.procs.append(child)
+    host.ready(child, "ready")
+    return child
+
+
+def test_a_submit_naming_anything_but_a_sealed_memfd_gets_a_counted_fail(host: Host):
+    """Each SUBMIT is answered FAIL naming why (counted ``bad_segment``); the same trainer's
+    sound segment is then summed exactly."""
+    d = host.daemon()
+    raw = Raw(host.socket)
+    partner = host.client(1)
+    opened: list[int] = []
+    seg: Segment | None = None
+    try:
+        kind, welcome = raw.ask([b"HELLO", _hello(host.job)])
+        assert kind == "WELCOME", welcome
+        prefix = welcome["prefix"]
+        unsealed = os.memfd_create(f"{prefix}b0.0-1", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        opened.append(unsealed)
+        os.ftruncate(unsealed, 4 * N)
+        path = f"/dev/shm/{prefix}b0.0-2"  # a plain shared-memory file: its owner may truncate it
+        plain = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        opened.append(plain)
+        os.unlink(path)
+        os.ftruncate(plain, 4 * N)
+        pipe = os.pipe()
+        opened += pipe
+        # A descriptor number this process does not hold, where another process holds a
+        # sealed segment named under this rank's prefix: the daemon looks only in this one's.
+        theirs = next(n for n in range(900, 1000) if not _holds(n))
+        _held_by_a_child(host, prefix, theirs)
+        cases = [
+            (f"{prefix}b0.0-1", unsealed, "is not sealed against shrinking"),
+            (f"{prefix}b0.0-2", plain, "not the memfd"),
+            (f"{prefix}b0.0-3", pipe[0], r"is not a memfd \(pipe:"),
+            (f"{prefix}b0.0-7", theirs, f"descriptor {theirs} of trainer pid {os.getpid()} does"),
+            (f"{prefix}b0.0-4", NO_FD, "does not exist"),
+        ]
+        for step, (name, fd, why) in enumerate(cases):
+            _submit(raw, welcome, step, name, fd)
+            kind, fail = _answer(raw)
+            assert kind == "FAIL" and re.search(why, fail["error"]), (why, fail)
+            assert d.error is None and not d.wait(0)
+        assert d.stats()["rejected"]["bad_segment"] == len(cases)
+        seg = Segment.create(f"{prefix}b0.0-5", 4 * N)
+        seg.array(np.float32, N)[:] = 1.0
+        step = len(cases)
+        _submit(raw, welcome, step, seg.name, seg.fd)
+        fut = partner.submit(step, 0, np.full(N, 2.0, dtype=np.float32))
+        kind, done = _answer(raw)
         assert kind == "DONE", done
         assert (seg.array(np.float32, N) == 3.0).all()
-        assert p.poll() is None
+        assert (fut.result(WAIT_S)[0] == 3.0).all()
     finally:
         raw.close()
-        for s in segs:
-            s.close()
-            s.unlink()
+        for fd in opened:
+            os.close(fd)
+        if seg is not None:
+            seg.close()
+
+
+def _holds(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def test_a_daemon_whose_loop_fails_exits_non_zero(host: Host):

@@ -1,5 +1,5 @@
 """The daemon and its IPC clients on one host: lifecycle and bad input, with real sockets,
-real shared memory and (for kill -9 and restart) a real daemon process.
+real shared memory (sealed memfds) and (for kill -9 and restart) a real daemon process.
 
 Every client and daemon is closed, every process killed and every file removed by the fixtures,
 also on failure; every wait has a timeout.
@@ -19,7 +19,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,8 @@ from tests.support.checks import check_pinned_goes_in_class_0
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WAIT_S = 60.0
+#: A descriptor number no test process holds (far above any soft RLIMIT_NOFILE).
+NO_FD = 0x7FFFFFFF
 
 
 class Host:
@@ -85,14 +88,17 @@ class Host:
         return p
 
     @staticmethod
-    def ready(p: subprocess.Popen[str]) -> None:
-        """Wait (bounded) for the daemon's ready line."""
+    def ready(p: subprocess.Popen[str], needle: str = "gradlane daemon: ready") -> None:
+        """Wait (bounded) for the process's first line, which must hold ``needle`` (the
+        daemon's ready line by default)."""
         assert p.stdout is not None
         ready, _, _ = select.select([p.stdout], [], [], WAIT_S)
         line = p.stdout.readline() if ready else ""
-        assert "gradlane daemon: ready" in line, line
+        assert needle in line, line
 
     def leftovers(self) -> list[str]:
+        """Files left in /dev/shm under this job's name (segments are memfds: never any) and
+        in the socket directory."""
         return glob.glob(f"/dev/shm/gradlane-{self.job}-*") + os.listdir(self.dir)
 
     def cleanup(self) -> None:
@@ -104,8 +110,9 @@ class Host:
             if p.poll() is None:
                 p.kill()
             p.wait(30)
-            if p.stdout is not None:
-                p.stdout.close()
+            for stream in (p.stdin, p.stdout):
+                if stream is not None:
+                    stream.close()
         for path in glob.glob(f"/dev/shm/gradlane-{self.job}-*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -174,6 +181,36 @@ def test_second_daemon_on_the_same_socket_is_refused(host: Host):
     _pair_step([host.client(0), host.client(1)], 0)  # the first one keeps serving
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a daemon of another user needs root to start")
+def test_a_daemon_that_cannot_reach_the_trainers_descriptors_refuses_its_hello(host: Host):
+    """A daemon of another user (it drops to nobody once it serves) cannot open /proc/<pid>/fd
+    of this trainer: the HELLO is refused and the trainer's start says what is needed."""
+    code = (
+        "import os, sys\n"
+        "from gradlane.transport.config import loopback_config\n"
+        "from gradlane.transport.daemon.config import DaemonConfig\n"
+        "from gradlane.transport.daemon.server import Daemon\n"
+        f"cfg = DaemonConfig(job={host.job}, socket={host.socket!r}, metrics='', local_world=2,\n"
+        "                   transport=loopback_config(n_paths=1))\n"
+        "d = Daemon(cfg).start()\n"
+        "os.setgid(65534)\n"
+        "os.setuid(65534)\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+    host.procs.append(p)
+    host.ready(p, "ready")
+    with pytest.raises(DaemonUnavailable) as info:
+        host.client(0)
+    text = str(info.value)
+    assert "segment_access" in text and f"trainer pid {os.getpid()}" in text, text
+    assert "run the daemon as the trainers' user" in text, text
+    assert p.poll() is None  # it refused one trainer and serves on
+
+
 def test_bad_submissions_fail_clearly_and_the_daemon_keeps_serving(host: Host):
     d = host.daemon(max_segment_bytes=1 << 20)
     ctx = zmq.Context.instance()
@@ -192,10 +229,11 @@ def test_bad_submissions_fail_clearly_and_the_daemon_keeps_serving(host: Host):
                             pid=os.getpid())  # fmt: skip
         assert kind == "WELCOME"
         gen, prefix = welcome["generation"], welcome["prefix"]
-        sub = {"generation": gen, "step": 0, "bucket": 0, "shm": f"{prefix}b0.0-9", "offset": 0,
-               "numel": 16, "dtype": 0, "layer_position": 0.0, "pinned": False}  # fmt: skip
+        sub = {"generation": gen, "step": 0, "bucket": 0, "shm": f"{prefix}b0.0-9",
+               "fd": NO_FD, "offset": 0, "numel": 16, "dtype": 0, "layer_position": 0.0,
+               "pinned": False}  # fmt: skip
         cases = [
-            ({}, "does not exist"),
+            ({}, f"descriptor {NO_FD} of trainer pid {os.getpid()} does not exist"),
             ({"shm": "gradlane-someone-else"}, "is not local rank 0's"),
             ({"generation": gen + 1}, "restarted"),
             ({"numel": 1 << 20}, "max_segment_bytes"),
@@ -211,7 +249,7 @@ def test_bad_submissions_fail_clearly_and_the_daemon_keeps_serving(host: Host):
         seg.array(np.float32, 16)[:] = 1.0
         partner = host.client(1)
         fut = partner.submit(0, 0, np.full(16, 2.0, dtype=np.float32))
-        kind, msg = ask("SUBMIT", **{**sub, "shm": seg.name})
+        kind, msg = ask("SUBMIT", **{**sub, "shm": seg.name, "fd": seg.fd})
         assert kind == "DONE", msg
         assert (seg.array(np.float32, 16) == 3.0).all()
         assert (fut.result(WAIT_S)[0] == 3.0).all()
@@ -219,7 +257,6 @@ def test_bad_submissions_fail_clearly_and_the_daemon_keeps_serving(host: Host):
         s.close(0)
         if seg is not None:
             seg.close()
-            seg.unlink()
 
 
 def test_dead_trainer_slot_times_out_and_is_freed(host: Host):
@@ -241,6 +278,52 @@ def test_sigterm_drain_fails_what_is_filling_and_removes_everything(host: Host):
     with pytest.raises(Exception, match=r"shutting down|disconnected"):
         filling.result(WAIT_S)
     assert host.leftovers() == []
+
+
+def _mapped(pid: int, marker: str) -> list[str]:
+    """The memfd segments process ``pid`` maps whose name holds ``marker``."""
+    with open(f"/proc/{pid}/maps") as f:
+        return [line.split()[-2] for line in f if "/memfd:" in line and marker in line]
+
+
+def _until(what: str, done: Callable[[], bool]) -> None:
+    """Wait, bounded, for ``done()``: the daemon drops mappings on its own loop's schedule."""
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_the_daemon_unmaps_a_trainers_segments_when_it_leaves_or_dies(host: Host):
+    """Nothing outlives a trainer: the daemon's mappings of its memfds go with its BYE, or
+    (kill -9) within a second or so of its death; nothing is ever named in /dev/shm."""
+    p = host.process()
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from gradlane.transport.daemon.client import DaemonPlane\n"
+        f"c = DaemonPlane({host.socket!r}, job={host.job}, rank=1, world=2, local_rank=1,\n"
+        "                local_world=2).start()\n"
+        "r = c.submit(0, 0, np.arange(1000, dtype=np.float32) * 2).result(60)[0]\n"
+        "print('summed', float(r[1]), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+    host.procs.append(trainer)
+    here = host.client(0)
+    x = np.arange(1000, dtype=np.float32)
+    assert (here.submit(0, 0, x).result(WAIT_S)[0] == 3 * x).all()
+    host.ready(trainer, "summed 3.0")
+    prefix = f"/memfd:gradlane-{host.job}-"
+    assert _mapped(p.pid, "-l0-") and _mapped(p.pid, "-l1-"), _mapped(p.pid, prefix)
+    here.close()  # BYE
+    _until("local rank 0's segments stay mapped after its BYE", lambda: not _mapped(p.pid, "-l0-"))
+    trainer.kill()
+    trainer.wait(WAIT_S)
+    _until("a dead trainer's segments stay mapped", lambda: not _mapped(p.pid, prefix))
+    assert p.poll() is None and glob.glob(f"/dev/shm/gradlane-{host.job}-*") == []
 
 
 def test_restarted_daemon_fails_in_flight_steps_then_serves_the_next(host: Host):

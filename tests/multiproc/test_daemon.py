@@ -180,6 +180,7 @@ def _garbage(sock_path: str, job: int) -> list[tuple[list[bytes], str]]:
         "step": 0,
         "bucket": 0,
         "shm": "gradlane-x",
+        "fd": 3,
         "offset": 0,
         "numel": 4,
         "dtype": 0,

@@ -4,6 +4,7 @@ memory lifecycle, and the local-sum kernel against its NumPy reference."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from gradlane.transport.core.events import CollectiveReport, LossReport, SenderR
 from gradlane.transport.daemon import messages as ipc
 from gradlane.transport.daemon.config import DaemonConfig, load, parse_address
 from gradlane.transport.daemon.metrics import DaemonMetrics
-from gradlane.transport.daemon.shm import Segment, SegmentError, check_name, remove_prefix
+from gradlane.transport.daemon.shm import Segment, SegmentError, check_name
 from gradlane.transport.errors import ConfigError
 from gradlane.transport.wire.header import DType
 from hypothesis import given, settings
@@ -28,7 +29,7 @@ from prometheus_client import generate_latest
 from tests.support import naive
 
 SUBMIT = {"generation": 5, "step": 3, "bucket": 1, "shm": "gradlane-1-h0-5-l0-b1.0-0",
-          "offset": 0, "numel": 100, "dtype": 0, "layer_position": 0.25,
+          "fd": 7, "offset": 0, "numel": 100, "dtype": 0, "layer_position": 0.25,
           "pinned": True}  # fmt: skip
 
 
@@ -54,6 +55,8 @@ def test_encode_decode_round_trip():
         ([b"SUBMIT", json.dumps({**SUBMIT, "pinned": 1}).encode()], "bad_field"),
         ([b"SUBMIT", json.dumps({**SUBMIT, "pinned": "yes"}).encode()], "bad_field"),
         ([b"SUBMIT", json.dumps({**SUBMIT, "evil": 1}).encode()], "bad_field"),
+        ([b"SUBMIT", json.dumps({**SUBMIT, "fd": -1}).encode()], "bad_field"),
+        ([b"SUBMIT", json.dumps({**SUBMIT, "fd": 1 << 31}).encode()], "bad_field"),
         ([b"SUBMIT", json.dumps({k: v for k, v in SUBMIT.items() if k != "shm"}).encode()],
          "bad_field"),
     ],
@@ -241,24 +244,22 @@ def test_segment_lifecycle():
     name = f"gradlane-test-{os.getpid()}-seg"
     seg = Segment.create(name, 64)
     try:
-        assert oct(os.stat(seg.path).st_mode & 0o777) == oct(0o600)
+        st = os.fstat(seg.fd)
+        assert oct(st.st_mode & 0o777) == oct(0o600) and st.st_nlink == 0  # no name anywhere
+        assert os.readlink(f"/proc/self/fd/{seg.fd}") == f"/memfd:{name} (deleted)"
+        assert not glob.glob(f"/dev/shm/*{name}*")
         seg.array(np.float32, 16)[:] = 7.0
-        other = Segment.open(name, 64)
-        assert (other.array(np.float32, 16) == 7.0).all()
         with pytest.raises(SegmentError, match="does not fit"):
-            other.array(np.float32, 17)
-        with pytest.raises(SegmentError, match="64 B"):
-            Segment.open(name, 65)
-        with pytest.raises(SegmentError, match="create"):
-            Segment.create(name, 64)  # exists
-        other.close()
+            seg.array(np.float32, 17)
+        with pytest.raises(ConfigError, match="must be > 0"):
+            Segment.create(name, 0)
     finally:
         seg.close()
-        seg.unlink()
-    assert not os.path.exists(seg.path)
-    seg.unlink()  # idempotent
-    with pytest.raises(SegmentError, match="does not exist"):
-        Segment.open(name)
+    seg.close()  # idempotent
+    with pytest.raises(SegmentError, match="closed"):
+        seg.array(np.float32, 1)
+    with pytest.raises(SegmentError, match="closed"):
+        _ = seg.fd
 
 
 @pytest.mark.parametrize(
@@ -267,19 +268,8 @@ def test_segment_lifecycle():
 def test_segment_names_cannot_escape(name):
     with pytest.raises(SegmentError):
         check_name(name)
-
-
-def test_remove_prefix():
-    prefix = f"gradlane-test-{os.getpid()}-p"
-    segs = [Segment.create(f"{prefix}{i}", 8) for i in range(3)]
-    keep = Segment.create(f"gradlane-test-{os.getpid()}-q", 8)
-    try:
-        assert sorted(remove_prefix(prefix)) == sorted(s.name for s in segs)
-        assert os.path.exists(keep.path)
-    finally:
-        for s in [*segs, keep]:
-            s.close()
-            s.unlink()
+    with pytest.raises(SegmentError):
+        Segment.create(name, 8)
 
 
 # -- the local-sum kernel ---------------------------------------------------------------------

@@ -7,9 +7,12 @@ a :class:`~gradlane.transport.drivers.plane.Plane`). One I/O thread owns a ZeroM
 connected to the daemon's
 ``ipc://`` socket, a monitor of that socket and a wake-up pipe. ``submit`` only queues the
 request and returns a Future; the I/O thread copies the bucket into one of this rank's
-shared-memory segments (created here, mode 0600, named under the prefix the daemon assigned),
-sends ``SUBMIT`` and, when ``DONE`` arrives, copies the all-reduced result out of the segment
-into ``out`` and resolves the Future with ``(result, CollectiveReport)``.
+shared-memory segments (sealed memfds created here, named under the prefix the daemon assigned:
+:mod:`gradlane.transport.daemon.shm`), sends ``SUBMIT`` naming the segment and its descriptor
+and, when ``DONE`` arrives, copies the all-reduced result out of the segment into ``out`` and
+resolves the Future with ``(result, CollectiveReport)``. A segment holds one descriptor of this
+process until it is dropped: on close, on a daemon restart, when a bucket outgrows it, or when
+a request times out (a slow daemon may still write it).
 
 The connection has a lifecycle of its own, read from the socket monitor:
 
@@ -17,7 +20,7 @@ The connection has a lifecycle of its own, read from the socket monitor:
   submissions made before that wait (with their deadline), so trainers may start first;
 * *disconnected* (the daemon exited or was killed) → every submission in flight fails at once
   with an error naming the daemon, its host and generation; later ones wait for a daemon;
-* a ``WELCOME`` with a new generation (a restarted daemon) → old segments are dropped, and the
+* a ``WELCOME`` with a new generation (a restarted daemon) → old segments are closed, and the
   waiting submissions go to the new daemon: training continues.
 
 Every wait is bounded: :meth:`start` by ``connect_timeout_s`` (then a clear "no gradlane daemon
@@ -311,7 +314,6 @@ class DaemonPlane:
             for segs in self._segments.values():
                 for seg, _ in segs:
                     seg.close()
-                    seg.unlink()
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
@@ -391,7 +393,6 @@ class DaemonPlane:
                 for segs in self._segments.values():
                     for seg, _ in segs:
                         seg.close()
-                        seg.unlink()
                 self._segments.clear()
             self.generation, self.host, self._prefix = msg["generation"], msg["host"], msg["prefix"]
             self._lost_at = None
@@ -456,6 +457,7 @@ class DaemonPlane:
                 step=req.step,
                 bucket=req.bucket,
                 shm=req.seg[0].name,
+                fd=req.seg[0].fd,
                 offset=0,
                 numel=int(wire.shape[0]),
                 dtype=wdtype,
@@ -485,7 +487,6 @@ class DaemonPlane:
                 idle[1] = True
                 return idle
             idle[0].close()
-            idle[0].unlink()
             segs[i] = [Segment.create(self._name(bucket, i), nbytes), True]
             return segs[i]
         segs.append([Segment.create(self._name(bucket, len(segs)), nbytes), True])
@@ -541,7 +542,6 @@ class DaemonPlane:
                 if req.seg in segs:
                     segs.remove(req.seg)
                 req.seg[0].close()
-                req.seg[0].unlink()
                 req.seg = None
             self._finish(
                 req,

@@ -3,9 +3,10 @@
 Theory of operation
 -------------------
 Tensors never travel over the socket: they sit in shared memory
-(:mod:`gradlane.transport.daemon.shm`) and a message names the segment, offset, element count and
-dtype. A message is two ZeroMQ frames, ``[kind, body]``: ``kind`` one of the ASCII names in
-:data:`SCHEMAS`, ``body`` a JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`). Nothing is ever
+(:mod:`gradlane.transport.daemon.shm`: sealed memfds) and a message names the segment (the
+trainer's descriptor number and the memfd's name), offset, element count and dtype. A message
+is two ZeroMQ frames, ``[kind, body]``: ``kind`` one of the ASCII names in :data:`SCHEMAS`,
+``body`` a JSON object (UTF-8, at most :data:`MAX_MESSAGE_BYTES`). Nothing is ever
 unpickled. Every message is treated as hostile: :func:`decode` checks the frame count and sizes,
 the kind, the nesting depth of the raw bytes (at most :data:`MAX_DEPTH`, scanned before
 ``json.loads`` so a deeply nested body cannot exhaust the parser's recursion), the JSON itself
@@ -18,10 +19,14 @@ a bounded ``repr`` of what was received, so the ``REJECT`` that carries it alway
 Conversation (trainer DEALER → daemon ROUTER)::
 
     HELLO  {job, rank, world, local_rank, local_world, pid}  -> WELCOME {generation, host, ...}
-    SUBMIT {generation, step, bucket, shm, offset, numel,
+    SUBMIT {generation, step, bucket, shm, fd, offset, numel,
             dtype, layer_position, pinned}                   -> DONE {.., report} | FAIL {.., error}
     BYE    {}                                                (the daemon frees the rank's slots)
     anything malformed                                       -> REJECT {reason, detail}
+
+``shm`` is the segment's memfd name, ``fd`` its descriptor number in the trainer; the daemon
+opens it as ``/proc/<pid>/fd/<fd>`` with the pid the kernel gives for the socket's peer (HELLO's
+``pid`` only where the socket cannot say) and checks that the two agree.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, tuple[float, float] | None]]] = {
         "step": (int, _U32),
         "bucket": (int, _U16),
         "shm": (str, None),
+        "fd": (int, (0, 0x7FFFFFFF)),
         "offset": (int, _COUNT),
         "numel": (int, _COUNT),
         "dtype": (int, (0, 2)),
@@ -123,14 +129,17 @@ REASONS = (
     "unknown_rank",
     "duplicate_rank",
     "bad_segment",
+    "segment_access",
     "stale_generation",
     "mismatch",
     "duplicate_submit",
     "internal",
     "reply_failed",
 )
-"""``internal``: handling the message raised an error the daemon did not expect (logged with its
-traceback; serving goes on). ``reply_failed``: the daemon's own answer could not be built."""
+"""``segment_access``: the daemon cannot reach a trainer's descriptors (``/proc/<pid>/fd``), so
+it refuses its HELLO. ``internal``: handling the message raised an error the daemon did not
+expect (logged with its traceback; serving goes on). ``reply_failed``: the daemon's own answer
+could not be built."""
 
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 80

@@ -6,9 +6,10 @@ One daemon per host serves that host's trainer ranks over a ZeroMQ ROUTER on an 
 socket (file mode 0600: only this user's processes may connect) and runs the inter-host
 all-reduce among the job's daemons with its own
 :class:`~gradlane.transport.drivers.udp.plane.UdpPlane` (host rank among ``hosts``). Tensors never
-cross the socket: each trainer copies a bucket into its own shared-memory segment
-(:mod:`gradlane.transport.daemon.shm`) and sends a small JSON ``SUBMIT``
-(:mod:`gradlane.transport.daemon.messages`) naming it.
+cross the socket: each trainer copies a bucket into its own shared-memory segment, a memfd it
+cannot shrink (:mod:`gradlane.transport.daemon.shm`), and sends a small JSON ``SUBMIT``
+(:mod:`gradlane.transport.daemon.messages`) naming it; the daemon maps it through
+``/proc/<pid>/fd`` (the pid is the socket peer's, from the kernel).
 
 Per (step, bucket) the daemon keeps a *slot*. When every local rank has submitted, it sums
 their buckets (numba, :func:`gradlane.transport.kernels.local_sum`) into a daemon-owned buffer,
@@ -26,13 +27,13 @@ timeout set by the earliest slot deadline. Failures stay local and named:
   stale generation, duplicate) is counted by reason and answered ``REJECT``/``FAIL``; serving goes
   on. Every message is hostile: whatever handling one raises is counted (``internal``) and
   answered, and an answer that cannot be built is counted (``reply_failed``), never raised;
-* the daemon checks a trainer's segment still holds its bucket before every read and write
-  (:class:`~gradlane.transport.daemon.shm.SegmentFile`): a trainer that truncated its segment
-  gets a FAIL naming it, where the mapped copy would kill the daemon with ``SIGBUS``;
+* a segment is mapped only once verified to be a memfd of the daemon's user sealed against
+  shrinking (:mod:`~gradlane.transport.daemon.shm`), so no truncate, even during a copy, can
+  kill the daemon with ``SIGBUS``; a segment failing a check gets a FAIL naming why;
 * a second daemon on the same socket path finds the path's lock taken and refuses to start;
 * :meth:`Daemon.stop` (SIGTERM) drains: new submissions fail, slots still filling fail, the
-  collectives already running finish (bounded by the hard deadline); then the socket, its lock
-  file and every shared-memory segment of this daemon's generation are removed.
+  collectives already running finish (bounded by the hard deadline); then the socket and its
+  lock file are removed and the segments unmapped (as when a trainer leaves or exits).
 
 A restarted daemon has a new ``generation`` (its start time in µs); trainers notice the
 reconnect, fail what was in flight with a clear error, say HELLO again and continue. A daemon
@@ -60,7 +61,7 @@ from gradlane.transport.core.collective import from_f32
 from gradlane.transport.daemon import messages as ipc
 from gradlane.transport.daemon.config import DaemonConfig
 from gradlane.transport.daemon.metrics import DaemonMetrics, MetricsServer
-from gradlane.transport.daemon.shm import SegmentError, SegmentFile, remove_prefix
+from gradlane.transport.daemon.shm import PeerSegments, SegmentError, SegmentFile
 from gradlane.transport.drivers.peers import Rendezvous, StaticPeers
 from gradlane.transport.drivers.udp.plane import UdpPlane
 from gradlane.transport.drivers.waker import Waker
@@ -94,8 +95,9 @@ class _Rank:
     rank: int
     world: int
     pid: int
+    """The process, in the daemon's pid namespace."""
     prefix: str
-    segments: dict[str, SegmentFile] = field(default_factory=dict)
+    segments: PeerSegments
 
 
 @dataclass
@@ -290,12 +292,8 @@ class Daemon:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket_path)
         for r in self._ranks.values():
-            for seg in r.segments.values():
-                seg.close()
+            r.segments.close()
         self._ranks.clear()
-        removed = remove_prefix(self.prefix)
-        if removed:
-            log.info("daemon: removed %d shared-memory segment(s)", len(removed))
         if self._lock_fd is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(ipc.lock_path(self.config.socket_path))
@@ -335,15 +333,15 @@ class Daemon:
                 self._waker.drain()
             self._completions()
             self._expire(time.monotonic())
-            self._refresh_gauges()
+            self._periodic()
 
     def _read(self, router: zmq.Socket) -> None:
         for _ in range(BURST):
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle(frames)
+            self._handle([f.bytes for f in frames], _peer_pid(frames[0]))
 
     def _drain(self) -> None:
         """After stop(): fail what has not started, let running collectives finish (bounded)."""
@@ -366,17 +364,17 @@ class Daemon:
         self._fail_all(f"the gradlane daemon of host {self.config.host_rank} shut down")
 
     # -- messages --------------------------------------------------------------------------------
-    def _handle(self, frames: list[bytes]) -> None:
-        """Serve one message. Nothing it holds may stop the loop, which serves every rank:
-        a message's own faults are IpcErrors, and anything else its handling raises is logged,
-        counted as ``internal`` and answered like them."""
+    def _handle(self, frames: list[bytes], peer_pid: int | None = None) -> None:
+        """Serve one message (from ``peer_pid``). Nothing it holds may stop the loop, which
+        serves every rank: a message's own faults are IpcErrors, and anything else its handling
+        raises is logged, counted as ``internal`` and answered like them."""
         identity, body = frames[0], frames[1:]
         try:
             kind, msg = ipc.decode(body)
             handler = self._HANDLERS.get(kind)
             if handler is None:
                 raise ipc.IpcError("unknown_kind", f"{kind} is not a message a trainer sends")
-            handler(self, identity, msg)
+            handler(self, identity, msg, peer_pid)
         except ipc.IpcError as e:
             self._reject(identity, e.why, e.detail)
         except Exception as e:
@@ -405,7 +403,7 @@ class Daemon:
         except zmq.ZMQError as e:  # the peer is gone or its queue is full: its Future times out
             log.debug("daemon: could not answer %r: %s", identity, e)
 
-    def _on_hello(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _on_hello(self, identity: bytes, msg: dict[str, Any], peer_pid: int | None) -> None:
         cfg = self.config
         if msg["job"] != cfg.job:
             raise ipc.IpcError(
@@ -425,29 +423,40 @@ class Daemon:
                 raise ipc.IpcError(
                     "mismatch", f"world {msg['world']}, other ranks say {other.world}"
                 )
+        # The kernel's pid of the socket's peer, in this daemon's pid namespace, is the one
+        # /proc knows; HELLO's own only where the socket cannot say.
+        pid = msg["pid"] if peer_pid is None else peer_pid
         old_id = self._by_local.get(lr)
+        if old_id is not None and old_id != identity and self._ranks[old_id].segments.alive():
+            raise ipc.IpcError(
+                "duplicate_rank",
+                f"local rank {lr} is held by live pid "
+                f"{self._ranks[old_id].pid} (HELLO from pid {pid})",
+            )
+        prefix = f"{self.prefix}-l{lr}-"
+        segments = None
+        if identity not in self._ranks:
+            try:
+                segments = PeerSegments(pid)
+            except SegmentError as e:
+                raise ipc.IpcError("segment_access", f"local rank {lr}: {e}") from None
         if old_id is not None and old_id != identity:
-            if _alive(self._ranks[old_id].pid):
-                raise ipc.IpcError(
-                    "duplicate_rank",
-                    f"local rank {lr} is held by live pid "
-                    f"{self._ranks[old_id].pid} (HELLO from pid {msg['pid']})",
-                )
             old = self._ranks.pop(old_id)
             log.warning(
                 "daemon: local rank %d reconnected (pid %d -> %d); dropping the old one",
                 lr,
                 old.pid,
-                msg["pid"],
+                pid,
             )
             self._forget(old)
-        if identity not in self._ranks:
-            self._new_session_check(lw)
-            lw = self._local_world
-        prefix = f"{self.prefix}-l{lr}-"
-        if identity not in self._ranks:
+        if segments is not None:
+            try:
+                self._new_session_check(lw)
+            except BaseException:
+                segments.close()
+                raise
             self._ranks[identity] = _Rank(
-                identity, lr, msg["rank"], msg["world"], msg["pid"], prefix
+                identity, lr, msg["rank"], msg["world"], pid, prefix, segments
             )
             self._by_local[lr] = identity
             self.metrics.local_ranks.set(len(self._ranks))
@@ -456,7 +465,7 @@ class Daemon:
                 lr,
                 msg["rank"],
                 msg["world"],
-                msg["pid"],
+                pid,
             )
         self._send(
             identity,
@@ -474,7 +483,7 @@ class Daemon:
         accepts steps near the newest it has seen. Start a fresh engine on the same addresses
         (the other daemons' peer tables stay valid); their engines do the same when their own
         trainers arrive, and what one sends before the other has reset is retransmitted."""
-        for dead in [r for r in self._ranks.values() if not _alive(r.pid)]:
+        for dead in [r for r in self._ranks.values() if not r.segments.alive()]:
             del self._ranks[dead.identity]
             self._forget(dead)
         if self._ranks or not self._served:
@@ -488,7 +497,7 @@ class Daemon:
         self._served = 0
         self._local_world = self.config.local_world or local_world
 
-    def _on_bye(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _on_bye(self, identity: bytes, msg: dict[str, Any], peer_pid: int | None) -> None:
         r = self._ranks.pop(identity, None)
         if r is None:
             raise ipc.IpcError("unknown_rank", "BYE from a trainer that never said HELLO")
@@ -498,12 +507,10 @@ class Daemon:
     def _forget(self, r: _Rank) -> None:
         if self._by_local.get(r.local_rank) == r.identity:
             del self._by_local[r.local_rank]
-        for seg in r.segments.values():
-            seg.close()
-            seg.unlink()
+        r.segments.close()
         self.metrics.local_ranks.set(len(self._ranks))
 
-    def _on_submit(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _on_submit(self, identity: bytes, msg: dict[str, Any], peer_pid: int | None) -> None:
         r = self._ranks.get(identity)
         if r is None:
             raise ipc.IpcError("unknown_rank", "SUBMIT from a trainer that never said HELLO")
@@ -570,7 +577,8 @@ class Daemon:
             self._launch(slot)
 
     def _segment(self, r: _Rank, msg: dict[str, Any]) -> SegmentFile:
-        """The segment a SUBMIT names, checked: the rank's own, aligned, big enough now."""
+        """The segment a SUBMIT names, checked: named under the rank's prefix, aligned, within
+        the limit, then reached and verified (:meth:`PeerSegments.get`)."""
         name, offset, numel, dtype = msg["shm"], msg["offset"], msg["numel"], msg["dtype"]
         if not name.startswith(r.prefix):
             raise ipc.IpcError(
@@ -587,25 +595,14 @@ class Daemon:
             )
         if offset % ITEMSIZE[dtype]:
             raise ipc.IpcError("bad_segment", f"offset {offset} is not a multiple of the dtype")
-        seg = r.segments.get(name)
-        if seg is None or seg.mapped < offset + nbytes:
-            # Names are <prefix>b<bucket>.<index>-<serial>: a new serial replaces that slot's
-            # older segment (the trainer grew it), so close the mapping of the old one (and
-            # of this one, mapped before the file grew).
-            base = name.rsplit("-", 1)[0]
-            for old in [n for n in r.segments if n.rsplit("-", 1)[0] == base]:
-                r.segments.pop(old).close()
-            seg = r.segments[name] = SegmentFile.open(name, offset + nbytes)
-        else:
-            seg.require(offset + nbytes)
-        return seg
+        return r.segments.get(name, msg["fd"], offset + nbytes)
 
     def _fail_one(self, identity: bytes, step: int, bucket: int, text: str) -> None:
         self._send(
             identity, "FAIL", generation=self.generation, step=step, bucket=bucket, error=text
         )
 
-    _HANDLERS: ClassVar[dict[str, Callable[[Daemon, bytes, dict[str, Any]], None]]] = {
+    _HANDLERS: ClassVar[dict[str, Callable[[Daemon, bytes, dict[str, Any], int | None], None]]] = {
         "HELLO": _on_hello,
         "SUBMIT": _on_submit,
         "BYE": _on_bye,
@@ -616,7 +613,7 @@ class Daemon:
         f32 = self._take(slot.numel, np.float32)
         try:
             self._sum_segments(slot, f32)
-        except SegmentError as e:  # truncated or closed since its SUBMIT: no sum to make
+        except SegmentError as e:  # released since its SUBMIT (its trainer left): no sum
             self._give(f32)
             del self._slots[(slot.step, slot.bucket)]
             self.metrics.ipc_rejected.labels("bad_segment").inc()
@@ -668,9 +665,8 @@ class Daemon:
         return free.pop() if free else np.empty(numel, dtype=dtype)
 
     def _sum_segments(self, slot: _Slot, f32: np.ndarray) -> None:
-        """Sum the local ranks' buckets into ``f32`` from their segments, each checked to still
-        hold its bucket (:meth:`SegmentFile.view`); :class:`SegmentError` names the local rank
-        whose segment fell short (truncated by its owner since its SUBMIT)."""
+        """Sum the local ranks' buckets into ``f32`` from their segments; :class:`SegmentError`
+        names the local rank whose segment is gone (released when its trainer left)."""
         wire_np = _WIRE_NP[DType(slot.dtype)]
         srcs = []
         for lr in sorted(slot.arrived):  # local rank order: the sum's order is fixed
@@ -760,11 +756,19 @@ class Daemon:
         self._slots.clear()
 
     # -- statistics ------------------------------------------------------------------------------
-    def _refresh_gauges(self) -> None:
+    def _periodic(self) -> None:
+        """Once a second: drop the mappings of trainers whose process is gone (their memory is
+        freed now, not at the next HELLO), refresh the engine's gauges."""
         now = time.monotonic()
-        if now - self._gauges_at < GAUGE_PERIOD_S or self._engine is None:
+        if now - self._gauges_at < GAUGE_PERIOD_S:
             return
         self._gauges_at = now
+        for r in self._ranks.values():
+            if not r.segments.closed and not r.segments.alive():
+                log.warning("daemon: local rank %d (pid %d) exited", r.local_rank, r.pid)
+                r.segments.close()
+        if self._engine is None:
+            return
         try:
             st = self._engine.stats()
         except (concurrent.futures.TimeoutError, RuntimeError):
@@ -783,12 +787,12 @@ class Daemon:
         }
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (trainers and daemon share the host)."""
+def _peer_pid(frame: zmq.Frame) -> int | None:
+    """The sender's pid from the kernel (``SO_PEERCRED``), which ZeroMQ appends to an ``ipc``
+    peer's address as ``:uid:gid:pid``; None where the socket does not say."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    creds = str(address).rsplit(":", 3)[1:]
+    return int(creds[2]) if len(creds) == 3 and all(c.isdigit() for c in creds) else None
