@@ -82,6 +82,7 @@ from gradlane.integrations.rendezvous import (
     local_hosts,
     local_rank_and_world,
     rank_and_world,
+    with_job_secret,
 )
 from gradlane.scheduling.errors import ConfigError, GradlaneError
 from gradlane.transport.config import (
@@ -97,6 +98,7 @@ from gradlane.transport.drivers.peers import Rendezvous, check_host
 from gradlane.transport.drivers.plane import Plane
 from gradlane.transport.drivers.udp.plane import InjectedLoss, UdpPlane
 from gradlane.transport.drivers.zmq.plane import ZmqPlane, zmq_config
+from gradlane.transport.wire.tag import TagKey
 
 __all__ = [
     "HOOK_ENV_PREFIX",
@@ -283,6 +285,8 @@ class GradlaneState:
     (:meth:`StoreRendezvous.from_env`); ``model`` (the module DDP wraps) gives the exact layer
     order, which is otherwise learned from the first bucket. ``plane`` injects a started data
     plane instead (tests). :meth:`from_env` builds everything from ``GRADLANE_*`` variables.
+    Without a ``transport.secret`` its packets are keyed with one shared through the store
+    (:func:`~gradlane.integrations.rendezvous.with_job_secret`; :attr:`secret_source`).
     """
 
     def __init__(
@@ -326,6 +330,7 @@ class GradlaneState:
         self._h2d_streams: dict[torch.device, Any] = {}
         # -- the data plane
         self._closed = False
+        self.secret_source = with_job_secret(transport, None)[1]  # the plane may change it
         self.plane: Plane = plane if plane is not None else self._start_plane(rendezvous)
 
     @classmethod
@@ -380,7 +385,8 @@ class GradlaneState:
     # -- lifecycle -------------------------------------------------------------------------------
     def _start_plane(self, rendezvous: Rendezvous | None) -> Plane:
         hook, cfg = self.config, self.transport
-        if hook.mode == "daemon":
+        if hook.mode == "daemon":  # keyed, or not, by the daemon's own config
+            self.secret_source = "daemon"
             return self._connect_daemon()
         hosts = list(hook.resolved_hosts()) or local_hosts(
             cfg.n_paths, os.environ.get("MASTER_ADDR")
@@ -392,6 +398,8 @@ class GradlaneState:
             rdv = StoreRendezvous.from_env(timeout_s=hook.rendezvous_timeout_s)
         if isinstance(rdv, StoreRendezvous):
             rdv = rdv.channel(f"{hook.name}.{_next_serial(hook.name)}.{hook.transport}")
+        self.transport, self.secret_source = with_job_secret(cfg, rdv)  # before any packet
+        cfg = self.transport
         if hook.transport == "udp":
             tap = InjectedLoss(hook.inject_loss, seed=cfg.seed) if hook.inject_loss else None
             udp = UdpPlane(
@@ -422,6 +430,12 @@ class GradlaneState:
             request_timeout_s=2 * loss.hard_deadline_s + 10.0,
         )
         return client.start()
+
+    @property
+    def tag_key(self) -> TagKey:
+        """The key of this state's packet tags (``tag_key.keyed``: authenticated); in daemon
+        mode the daemon's own ``secret`` decides instead."""
+        return self.transport.tag_key
 
     def drain(self, timeout_s: float = 2.0) -> bool:
         """Wait up to ``timeout_s`` until the peers have acknowledged what this rank sent them
@@ -700,6 +714,8 @@ class GradlaneState:
                 "transport": "daemon" if self.config.mode == "daemon" else self.config.transport,
                 "generation": self.generation,
                 "next_step": self.step,
+                "keyed": self.tag_key.keyed,
+                "secret_source": self.secret_source,
                 **self._totals,
             }
         comm = np.array([s.comm_s for s in hist]) if hist else np.zeros(0)

@@ -14,32 +14,50 @@ job under ``torchrun`` therefore needs no gradlane-specific configuration at all
 
 Every wait has a timeout, and a timeout is a :class:`RendezvousError` that says which rank was
 missing, where it was looked for, and what usually causes it.
+
+The same store shares the job secret that keys every packet's MAC when none is configured
+(:func:`with_job_secret`): the first rank of a channel to ask puts a fresh random secret under
+``<prefix>secret`` with one atomic ``compare_set``, and every rank of the channel gets that one.
+So the ranks of one gradlane state always agree, whichever comes first, and each state (each
+channel, each restart) gets its own key. The secret is only as private as the store: anyone who
+can connect to ``MASTER_ADDR:MASTER_PORT`` can read it (docs/ddp-hook.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
+import re
+import secrets
 import socket
 from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 from gradlane.scheduling.errors import ConfigError, GradlaneError
+from gradlane.transport.config import SECRET_OFF, TransportConfig
 from gradlane.transport.drivers.peers import Address, Rendezvous, check_address, check_port
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "SECRET_KEY",
     "RendezvousError",
     "StoreRendezvous",
     "is_loopback",
     "local_hosts",
     "local_rank_and_world",
     "rank_and_world",
+    "with_job_secret",
 ]
 
 #: How long a rank waits for the store and for each peer's addresses (torch's default, too).
 DEFAULT_TIMEOUT_S = 300.0
+#: The store key, under a rendezvous' prefix, of its shared job secret.
+SECRET_KEY = "secret"
+#: Random bytes in a shared job secret; stored as hex text.
+SECRET_BYTES = 32
+_SECRET_TEXT = re.compile(f"[0-9a-f]{{{2 * SECRET_BYTES}}}")
 
 
 class RendezvousError(GradlaneError):
@@ -121,6 +139,29 @@ class StoreRendezvous(Rendezvous):
             self._base, f"{self.prefix}{name}/", timeout_s=self.timeout_s, where=self.where
         )
 
+    def shared_secret(self) -> str:
+        """The job secret of this rendezvous' ranks (:data:`SECRET_BYTES` random bytes from
+        :mod:`secrets`, as hex): the first rank to ask stores a fresh one under
+        ``<prefix>secret``, every rank gets that one.
+
+        One atomic ``compare_set``: no rank waits for another, and the store's own timeout
+        bounds the request. The value appears in no log line or error message.
+        """
+        key = f"{self.prefix}{SECRET_KEY}"
+        try:
+            raw = self._store.compare_set(SECRET_KEY, "", secrets.token_hex(SECRET_BYTES))
+        except (RuntimeError, OSError) as e:
+            raise RendezvousError(
+                f"cannot share the job secret through {self.where} (key {key}): {e}"
+            ) from e
+        value = raw.decode("ascii", errors="replace")
+        if not _SECRET_TEXT.fullmatch(value):
+            raise RendezvousError(
+                f"the value under {key} in {self.where} is not a gradlane job secret (another "
+                "program uses that key?): set GRADLANE_SECRET, or a distinct HookConfig.name"
+            )
+        return value
+
     def publish(self, rank: int, addrs: Sequence[Address]) -> None:
         """Store ``rank``'s addresses as JSON under ``<prefix><rank>`` (each checked as
         :func:`~gradlane.transport.drivers.peers.check_address` does, names resolved)."""
@@ -158,6 +199,26 @@ class StoreRendezvous(Rendezvous):
             check_address(a, f"rank {rank} path {p} (published in {where})")
             for p, a in enumerate(entry)
         ]
+
+
+def with_job_secret(
+    config: TransportConfig, rendezvous: Rendezvous | None
+) -> tuple[TransportConfig, str]:
+    """``config`` with the secret its packets will be keyed with, and where that came from:
+
+    - ``"configured"``: ``config.secret`` was set (code, ``GRADLANE_SECRET``, TOML): used as is;
+    - ``"off"``: it is :data:`~gradlane.transport.config.SECRET_OFF`: unkeyed tags;
+    - ``"shared"``: none was set and ``rendezvous`` is a :class:`StoreRendezvous`: the secret
+      every rank of it gets (:meth:`StoreRendezvous.shared_secret`);
+    - ``"none"``: none was set and there is no store to share one through: unkeyed tags.
+    """
+    if config.secret == SECRET_OFF:
+        return config, "off"
+    if config.secret:
+        return config, "configured"
+    if isinstance(rendezvous, StoreRendezvous):
+        return dataclasses.replace(config, secret=rendezvous.shared_secret()), "shared"
+    return config, "none"
 
 
 def local_hosts(n_paths: int, master_addr: str | None) -> list[str]:

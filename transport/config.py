@@ -27,7 +27,9 @@ from gradlane.transport.wire.tag import TagKey
 
 __all__ = [
     "ENV_PREFIX",
+    "SECRET_OFF",
     "TransportConfig",
+    "check_secret",
     "check_types",
     "env_field",
     "env_settings",
@@ -47,7 +49,10 @@ class TransportConfig:
     job: int = 1
     """Job token (u32): packets carrying another token are dropped and counted."""
     secret: str | None = None
-    """Shared secret: when set, packets carry a SipHash-2-4 tag and forged ones are rejected."""
+    """Shared secret: when set, every packet carries a keyed MAC (docs/wire-format.md) and
+    forged or foreign ones are rejected; ``"off"`` (:data:`SECRET_OFF`): unkeyed checksums, and
+    the DDP hook shares no secret of its own; None: unkeyed here, but the DDP hook shares a
+    random secret through the job's store. Never printed (``repr`` hides it)."""
     chunk_bytes: int = 8192
     """Payload bytes per DATA packet (a multiple of 4)."""
     n_paths: int = 1
@@ -124,6 +129,7 @@ class TransportConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        check_secret(self.secret)
         for name, kind in _NESTED.items():
             value = getattr(self, name)
             if not isinstance(value, kind):
@@ -167,10 +173,20 @@ class TransportConfig:
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed={self.seed}: a non-negative integer below 2**63")
 
+    def __repr__(self) -> str:
+        # The secret keys every packet's MAC: a log line or a traceback must not carry it.
+        shown = (
+            f"{f.name}={_masked(f.name, getattr(self, f.name))}"
+            for f in dataclasses.fields(self)
+            if f.repr
+        )
+        return f"{type(self).__name__}({', '.join(shown)})"
+
     @property
     def tag_key(self) -> TagKey:
-        """The tag key all ranks of this job derive from ``secret``."""
-        return TagKey.from_secret(self.secret)
+        """The tag key all ranks of this job derive from ``secret`` (unkeyed for None, '' and
+        ``"off"``)."""
+        return TagKey.from_secret(None if self.secret == SECRET_OFF else self.secret)
 
     def chunk_elems(self, dtype: int) -> int:
         """Elements per DATA packet for a wire dtype."""
@@ -272,6 +288,38 @@ _NESTED: dict[str, type] = {
 #: The prefix of every gradlane environment variable.
 ENV_PREFIX = "GRADLANE_"
 
+#: The ``secret`` that means unkeyed tags (``GRADLANE_SECRET=off``); unlike None, it also keeps
+#: the DDP hook from sharing a secret of its own.
+SECRET_OFF = "off"
+#: Values that read as a switch rather than a secret: refused, so that ``GRADLANE_SECRET=false``
+#: is not silently taken as the (guessable) secret "false".
+_SWITCH_WORDS = frozenset({"off", "false", "no", "none", "null", "0", "disable", "disabled",
+                           "unkeyed", "auto", "on", "true", "yes", "1"})  # fmt: skip
+#: Fields whose value no message may show.
+_HIDDEN = frozenset({"secret"})
+
+
+def check_secret(secret: str | None) -> None:
+    """``ConfigError`` for a ``secret`` that reads as a switch (``"false"``, ``"none"``,
+    ``"Off"``, ``" off"``, ``"auto"``, ...) but is not exactly :data:`SECRET_OFF`: such a value
+    names itself in the message (it is no secret)."""
+    if secret is None or secret == SECRET_OFF:
+        return
+    if isinstance(secret, str) and secret.strip().lower() in _SWITCH_WORDS:
+        raise ConfigError(
+            f"secret={secret!r} reads as a switch, not a secret: for unkeyed packet tags write "
+            f"exactly {SECRET_OFF!r} (GRADLANE_SECRET={SECRET_OFF}); left unset, the DDP hook "
+            "shares a secret through the job's store; otherwise give a real secret"
+        )
+
+
+def _masked(name: str, value: Any) -> str:
+    """``repr(value)``, but a set secret shows as ``<hidden>``."""
+    if name in _HIDDEN and value and value != SECRET_OFF:
+        return "<hidden>"
+    return repr(value)
+
+
 #: GRADLANE_* variables that are not transport settings (read by other components).
 _NOT_CONFIG = frozenset(
     {
@@ -281,7 +329,6 @@ _NOT_CONFIG = frozenset(
         "GRADLANE_NO_MMSG",
         "GRADLANE_NO_GSO",
         "GRADLANE_NO_GRO",
-        "GRADLANE_SHM_DIR",
         "GRADLANE_TESTBED_USERNS",
     }
 )
@@ -396,7 +443,8 @@ def check_types(config: object) -> None:
         else:
             check = _SCALAR_CHECKS.get(hint)
         if check is not None and not check[0](value):
-            raise ConfigError(f"{name}={value!r}: must be {check[1]}, got a {type(value).__name__}")
+            shown = "<hidden>" if name in _HIDDEN else repr(value)
+            raise ConfigError(f"{name}={shown}: must be {check[1]}, got a {type(value).__name__}")
 
 
 #: Per scalar type: a test of a value, and the words for it.

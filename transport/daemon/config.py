@@ -116,7 +116,7 @@ class DaemonConfig:
 
     job: int = 1
     """Job token: trainers of another job are refused; also the inter-host packets' token."""
-    secret: str | None = None
+    secret: str | None = field(default=None, repr=False)  # never printed: it keys every packet
     """Shared secret of the job's daemons (keys the packet tags); None = fast unkeyed tags."""
     host_rank: int = 0
     """This daemon's rank among the job's daemons (one per host)."""

@@ -33,7 +33,7 @@ loops and the tests hold them to these functions.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -76,8 +76,9 @@ class TagKey:
     """
 
     mode: int = TAG_FAST
-    k0: int = 0
-    k1: int = 0
+    # Not in repr: the two words are the whole key (anyone who knows them forges packets).
+    k0: int = field(default=0, repr=False)
+    k1: int = field(default=0, repr=False)
 
     @classmethod
     def from_secret(cls, secret: bytes | str | None) -> TagKey:
