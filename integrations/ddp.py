@@ -66,7 +66,6 @@ import os
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +83,7 @@ from gradlane.integrations.rendezvous import (
     rank_and_world,
     with_job_secret,
 )
+from gradlane.integrations.steps import StepLedger, StepStats
 from gradlane.scheduling.errors import ConfigError, GradlaneError
 from gradlane.transport.config import (
     TransportConfig,
@@ -223,39 +223,6 @@ class HookConfig:
 
 
 @dataclass(frozen=True)
-class StepStats:
-    """What one step's all-reduces did at this rank."""
-
-    step: int
-    generation: int
-    buckets: int
-    bytes: int
-    comm_s: float
-    """From the first bucket handed to the hook to the last one all-reduced."""
-    delivered_fraction: float
-    """The smallest delivered fraction over the step's buckets (1.0 = nothing lost)."""
-    degraded_buckets: int
-    retransmitted: int
-    """Chunks this rank's sender retransmitted for the step."""
-    failed_buckets: int
-
-
-@dataclass
-class _OpenStep:
-    generation: int
-    first_ready: float
-    submitted: int = 0
-    expected: int | None = None
-    done: int = 0
-    bytes: int = 0
-    last_done: float = 0.0
-    delivered: float = 1.0
-    degraded: int = 0
-    retransmitted: int = 0
-    failed: int = 0
-
-
-@dataclass(frozen=True)
 class _Key:
     generation: int
     step: int
@@ -320,11 +287,8 @@ class GradlaneState:
         self._order = ParamOrder(model.parameters() if model is not None else None)
         self._layouts: dict[int, BucketLayout] = {}
         # -- statistics, written from the plane's thread
-        self._lock = threading.Lock()
-        self._open: dict[int, _OpenStep] = {}
-        self._history: deque[StepStats] = deque(maxlen=hook.history)
-        self._totals = {"steps": 0, "buckets": 0, "bytes": 0, "failed_buckets": 0,
-                        "degraded_buckets": 0, "retransmitted": 0}  # fmt: skip
+        self.ledger = StepLedger(self.rank, hook.history, hook.log_every)
+        self._lock = self.ledger.lock
         # -- GPU staging (created on the first CUDA bucket)
         self._stager: concurrent.futures.ThreadPoolExecutor | None = None
         self._h2d_streams: dict[torch.device, Any] = {}
@@ -483,7 +447,8 @@ class GradlaneState:
             key = _Key(self.generation, self.step, index)
             if bucket.is_last():
                 self.step += 1  # before anything can fail: every rank keeps counting the same
-            self._note_start(key, buf.numel() * buf.element_size(), ready, bucket.is_last())
+            self.ledger.note_start(key.step, key.generation, buf.numel() * buf.element_size(),
+                                   ready, bucket.is_last())  # fmt: skip
             try:
                 layout = self._layout(index, buf, bucket.parameters())
                 key = _Key(self.generation, key.step, index)
@@ -615,7 +580,7 @@ class GradlaneState:
         value: torch.Tensor | None = None,
         error: BaseException | None = None,
     ) -> None:
-        self._note_done(key, report, failed=error is not None)
+        self.ledger.note_done(key.step, key.generation, report, failed=error is not None)
         if fut.done():
             return
         if error is None:
@@ -634,99 +599,23 @@ class GradlaneState:
         return err
 
     # -- statistics ------------------------------------------------------------------------------
-    def _note_start(self, key: _Key, nbytes: int, ready: float, last: bool) -> None:
-        with self._lock:
-            o = self._open.get(key.step)
-            if o is None:
-                o = self._open[key.step] = _OpenStep(key.generation, ready)
-            o.submitted += 1
-            o.bytes += nbytes
-            if last:
-                o.expected = o.submitted
-
-    def _note_done(self, key: _Key, report: CollectiveReport | None, failed: bool) -> None:
-        now = time.monotonic()
-        with self._lock:
-            o = self._open.get(key.step)
-            if o is None:
-                return
-            o.done += 1
-            o.last_done = max(o.last_done, now)
-            o.generation = key.generation
-            if failed:
-                o.failed += 1
-            if report is not None:
-                o.delivered = min(o.delivered, report.delivered_fraction)
-                o.degraded += int(report.degraded)
-                o.retransmitted += sum(report.sender.retransmitted)
-            if o.expected is None or o.done < o.expected:
-                return
-            del self._open[key.step]
-            st = StepStats(
-                step=key.step,
-                generation=o.generation,
-                buckets=o.done,
-                bytes=o.bytes,
-                comm_s=o.last_done - o.first_ready,
-                delivered_fraction=o.delivered,
-                degraded_buckets=o.degraded,
-                retransmitted=o.retransmitted,
-                failed_buckets=o.failed,
-            )
-            self._history.append(st)
-            t = self._totals
-            t["steps"] += 1
-            t["buckets"] += st.buckets
-            t["bytes"] += st.bytes
-            t["failed_buckets"] += st.failed_buckets
-            t["degraded_buckets"] += st.degraded_buckets
-            t["retransmitted"] += st.retransmitted
-            steps = t["steps"]
-        every = self.config.log_every
-        if every and steps % every == 0:
-            log.info(
-                "rank %d step %d: %d bucket(s), %.1f MB, comm %.2f ms, delivered %.4f, "
-                "%d retransmitted, %d degraded, %d failed",
-                self.rank,
-                st.step,
-                st.buckets,
-                st.bytes / 1e6,
-                st.comm_s * 1e3,
-                st.delivered_fraction,
-                st.retransmitted,
-                st.degraded_buckets,
-                st.failed_buckets,
-            )
-
     def step_stats(self) -> list[StepStats]:
         """The kept per-step statistics, oldest first (completed steps only)."""
-        with self._lock:
-            return list(self._history)
+        return self.ledger.history()
 
     def stats(self, *, plane: bool = False) -> dict[str, Any]:
         """Totals and summaries of the completed steps; with ``plane``, the plane's counters too
         (never call that from a Future callback: it waits for the plane's thread)."""
-        with self._lock:
-            hist = list(self._history)
-            out: dict[str, Any] = {
-                "rank": self.rank,
-                "world": self.world,
-                "transport": "daemon" if self.config.mode == "daemon" else self.config.transport,
-                "generation": self.generation,
-                "next_step": self.step,
-                "keyed": self.tag_key.keyed,
-                "secret_source": self.secret_source,
-                **self._totals,
-            }
-        comm = np.array([s.comm_s for s in hist]) if hist else np.zeros(0)
-        delivered = np.array([s.delivered_fraction for s in hist]) if hist else np.ones(1)
-        out["comm_s"] = {
-            "p50": float(np.percentile(comm, 50)) if comm.size else None,
-            "p99": float(np.percentile(comm, 99)) if comm.size else None,
-            "max": float(comm.max()) if comm.size else None,
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "world": self.world,
+            "transport": "daemon" if self.config.mode == "daemon" else self.config.transport,
+            "generation": self.generation,
+            "next_step": self.step,
+            "keyed": self.tag_key.keyed,
+            "secret_source": self.secret_source,
+            **self.ledger.summary(),
         }
-        out["delivered_fraction"] = {"min": float(delivered.min()), "mean": float(delivered.mean())}
-        out["last"] = dataclasses.asdict(hist[-1]) if hist else None
         if plane:
             out["plane"] = self.plane.stats()
         return out
