@@ -10,6 +10,7 @@ has a pytest timeout, so a hang is a failure, never a stuck run.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -37,6 +38,14 @@ def _hostile(config: TransportConfig, step: int) -> list[bytes]:
     running = {"step": step, "bucket": 0, "shard": 1, "phase": Phase.REDUCE}
     out += [forge(config, k, count=BITS, **running) for k in (Kind.ACK, Kind.NACK)]
     return out
+
+
+def _wait_counted(engine: UdpPlane, reason: str, count: int) -> None:
+    """Until ``engine`` has counted ``count`` datagrams as ``reason`` (fails after WAIT_S)."""
+    deadline = time.monotonic() + WAIT_S
+    while engine.stats()["rejected"].get(reason, 0) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{reason} never reached {count}: {engine.stats()['rejected']}")
 
 
 @pytest.fixture
@@ -71,6 +80,9 @@ def test_hostile_datagrams_never_fail_a_collective(pair: list[UdpPlane]):
             for packet in _hostile(cfg, step):
                 for addr in e0.bound:
                     s.sendto(packet, addr)
+            # Rank 0 has judged them all before rank 1 starts: its reduce transfer is still
+            # running then (rank 1's gather would end it), as the bitmaps' count assumes.
+            _wait_counted(e0, "bitmap_range", 2 * step * len(e0.bound))
             f1 = e1.submit(step, 0, data[1])
             for res, rep in (f0.result(WAIT_S), f1.result(WAIT_S)):
                 np.testing.assert_array_equal(res, data[0] + data[1])

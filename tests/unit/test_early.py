@@ -209,3 +209,24 @@ def test_a_start_sends_before_it_processes_waiting_input():
     wire.run(lambda: sum(isinstance(e, AllReduceComplete) for _, _, e in wire.events) == 2)
     for _, _, e in wire.events:
         np.testing.assert_allclose(e.result, datas[0] + datas[1], rtol=1e-6)
+
+
+def test_held_data_left_over_when_the_replay_completes_the_transfer_is_counted_late() -> None:
+    """A shard held twice (the original and a resend, both before the collective starts here):
+    the first copy completes the transfer on replay, the second is counted as late, not lost
+    from every counter."""
+    cfg = TransportConfig(chunk_bytes=256)
+    eps = [TransposeAllReduce(r, 2, cfg) for r in range(2)]
+    x = np.ones(3000, np.float32)
+    eps[0].start(1, 0, x, layer_position=0.5, now=0.0)
+    dgs = [d.wire() for d in flat(eps[0].datagrams_to_send(0.0)) if d.peer == 1]
+    for t in (0.0, 0.001):
+        for d in dgs:
+            eps[1].receive_datagram(d, 0, t)
+        list(flat(eps[1].datagrams_to_send(t)))
+    eps[1].start(1, 0, x, layer_position=0.5, now=0.002)
+    list(flat(eps[1].datagrams_to_send(0.002)))
+    st = eps[1].stats()
+    rejected = sum(st["rejected"].values())
+    assert st["accepted"] + rejected + st["late"] == 2 * len(dgs), st
+    assert st["accepted"] == len(dgs) and st["late"] >= 1

@@ -53,6 +53,7 @@ from gradlane.transport.wire.header import (
     Flags,
     HeaderFields,
     Kind,
+    Phase,
     Reason,
     SessionSpec,
     encode_values,
@@ -435,6 +436,14 @@ class Endpoint:
             t = self.receiver.transfers.get(key)
             if t is not None:
                 self.receiver.on_data(t, arena, lengths, grp, paths, now, self.session)
+                if t.gather and t.got and not t.sent_stopped:
+                    # The owner gathers: its reduce of this shard is over, and our result
+                    # (the caller's buffer, when in place) now holds its sums where our
+                    # contribution was. Resending that would send other bytes under the
+                    # tag computed at the start: stop at once, as its STOP would.
+                    t.sent_stopped = True
+                    self.sender.on_stop(OutKey(key.step, key.bucket, key.shard, Phase.REDUCE,
+                                               key.shard))  # fmt: skip
                 continue
             # Data for a transfer not running here is held (or answered with STOP), checked as a
             # batch. Without a secret its tag is a checksum, which the receive kernel checks

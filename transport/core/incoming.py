@@ -104,6 +104,7 @@ class InTransfer:
         self.done = False
         self.plan: kernels.ReceivePlan | None = None  # the receive kernels' checked arguments
         self.order: kernels.SumOrder | None = None  # a reduce's fixed order of senders
+        self.sent_stopped = False  # gather: our reduce transfer to its owner was stopped
 
     @property
     def gather(self) -> bool:

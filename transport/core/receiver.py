@@ -175,6 +175,8 @@ class ReceiverCore:
             self.early_bytes -= h.nbytes
             if not t.done:  # the kernel checks every held packet (tag included) as it lands
                 self.on_data(t, h.arena, h.lengths, h.rows, h.paths, now, session)
+            else:  # complete from an earlier held batch: the rest came for a finished transfer
+                self.late += int(h.rows.shape[0])
         for data, path in self.early_control.pop(key, []):
             self.early_control_bytes -= len(data) + CONTROL_OVERHEAD
             why = self.on_control(data, path, now, t_hint=t)

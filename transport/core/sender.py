@@ -98,6 +98,9 @@ class SenderCore:
         self._tos = [config.priority.tos(c) for c in range(n_classes)]
         self.stats: dict[tuple[int, int], _ClassStats] = {}
         self._control: list[Datagram | DatagramRun] = []
+        # Probe copies due (transfer, chunk, path, TOS): built when sent, from the transfer as
+        # it is then, so a transfer stopped or detached meanwhile never sends stale bytes.
+        self._probes: list[tuple[OutKey, int, int, int]] = []
         self._spares = SparePayloads()  # payload buffers of detached transfers, for reuse
         self._now = 0.0
         self._sendable: set[OutKey] = set()
@@ -361,6 +364,11 @@ class SenderCore:
         self._now = now
         out: list[Datagram | DatagramRun] = list(self._control)
         self._control = []
+        for key, p, q, tos in self._probes:
+            t = self.transfers.get(key)
+            if t is not None and not t.done:
+                out.append(t.run(np.array([p]), np.array([q]), tos))
+        self._probes = []
         self._pace_at = np.inf
         if not self._sendable:
             return out
@@ -568,7 +576,7 @@ class SenderCore:
                 if q < st.path_bytes.shape[0]:
                     st.path_bytes[q] += nbytes
                 self.pacers[(t.key.dst, q)].consume(nbytes, now)
-                self._control.append(t.run(np.array([p]), np.array([q]), self._tos[cls]))
+                self._probes.append((t.key, p, q, self._tos[cls]))
             return
         t.probe_at, t.probes = np.inf, _NO_CHUNKS
         # Exponential backoff for consecutive timeouts (RFC 6298); any acknowledgement resets it.

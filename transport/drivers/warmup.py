@@ -33,13 +33,21 @@ from collections.abc import Iterator
 import numpy as np
 from gradlane.scheduling.loss import LossConfig, LossPolicy
 from gradlane.scheduling.pacing import PacingConfig
+from gradlane.transport import kernels
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.collective import TransposeAllReduce
 from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, flat
 from gradlane.transport.drivers.udp import mmsg as _mmsg
 from gradlane.transport.drivers.zmq import frames as zmq_batch
 from gradlane.transport.kernels.batch import pass_end_gaps
-from gradlane.transport.wire.header import DType, header_fields
+from gradlane.transport.wire.header import (
+    N_REASONS,
+    DType,
+    Phase,
+    SessionSpec,
+    TransferSpec,
+    header_fields,
+)
 
 try:
     import fcntl
@@ -177,6 +185,15 @@ def _warm_receiver_checks() -> None:
         started=0.0,
         now=1.0,
     )
+    # The ordered reduce's flush of what a missing sender left staged: only a degraded
+    # completion with three ranks or more calls it (the two-rank exchange orders nothing).
+    spec = TransferSpec(0, 0, 0, Phase.REDUCE, DType.F32, 4, 2, 0, 3)
+    plan = kernels.prepare_receive(
+        SessionSpec(job=1, me=0, world=3), spec, np.zeros(4, dtype=np.float32),
+        np.ones(2, dtype=np.uint16), np.zeros((3, 2), dtype=np.uint8),
+        np.zeros(N_REASONS, dtype=np.int64), place=False, order=kernels.sum_order([1, 2], 3, 4, 2),
+    )  # fmt: skip
+    kernels.flush_order(plan)
 
 
 def _warm_exchange(cfg: TransportConfig, dtype: int | None, data: np.ndarray) -> None:
