@@ -52,7 +52,9 @@ In daemon mode (``mode="daemon"`` or ``GRADLANE_MODE=daemon``) the data plane is
 host's ranks and runs the inter-host all-reduce; the hook itself is the same.
 
 One state serves one DDP instance. Per-step statistics (:class:`StepStats`) are kept by the
-state (:meth:`GradlaneState.stats`) and logged every ``log_every`` steps.
+state (:meth:`GradlaneState.stats`) and logged every ``log_every`` steps. With
+``HookConfig.timeline`` set, a :class:`~gradlane.integrations.timeline.Timeline` records every
+bucket and the state writes it at ``close()``; unset, the hook only checks that it is unset.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -84,6 +87,7 @@ from gradlane.integrations.rendezvous import (
     with_job_secret,
 )
 from gradlane.integrations.steps import StepLedger, StepStats
+from gradlane.integrations.timeline import DEFAULT_MAX_EVENTS, Timeline, rank_path
 from gradlane.scheduling.errors import ConfigError, GradlaneError
 from gradlane.transport.config import (
     TransportConfig,
@@ -158,6 +162,13 @@ class HookConfig:
     :class:`~gradlane.transport.drivers.udp.plane.InjectedLoss` seeded by the transport's
     ``seed`` and the rank), so that loss shows on a loopback that never loses. Always 0 on a
     real network; UDP only (ZeroMQ is reliable)."""
+    timeline: str = ""
+    """Record a timeline of every bucket and write it to this path at ``close()``, as Chrome
+    trace-event JSON for https://ui.perfetto.dev (docs/ddp-hook.md); ``{rank}`` in it is
+    replaced by the rank, else ``.rank<r>`` goes before the suffix. '' = off."""
+    timeline_events: int = DEFAULT_MAX_EVENTS
+    """Timeline events kept in memory (a few hundred bytes each); later ones are counted as
+    dropped, not kept."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -200,6 +211,10 @@ class HookConfig:
             )
         if self.inject_loss and self.transport == "zmq":
             raise ConfigError("inject_loss applies to the UDP plane only (ZeroMQ is reliable)")
+        if "\0" in self.timeline:
+            raise ConfigError(f"timeline={self.timeline!r}: a file path (GRADLANE_HOOK__TIMELINE)")
+        if self.timeline_events < 1:
+            raise ConfigError(f"timeline_events={self.timeline_events}: must be >= 1")
 
     def resolved_hosts(self) -> tuple[str, ...]:
         """``hosts`` as numeric addresses: IP literals as given, names resolved (IPv4); a
@@ -289,6 +304,13 @@ class GradlaneState:
         # -- statistics, written from the plane's thread
         self.ledger = StepLedger(self.rank, hook.history, hook.log_every)
         self._lock = self.ledger.lock
+        # -- the timeline: None = off, and the hook's only cost is checking that
+        self.timeline: Timeline | None = None
+        if hook.timeline:  # checked before the plane starts: a bad path fails now, not at close
+            self.timeline = Timeline(
+                self.rank, self.world, path=rank_path(hook.timeline, self.rank),
+                max_events=hook.timeline_events, what="timeline (GRADLANE_HOOK__TIMELINE)",
+            )  # fmt: skip
         # -- GPU staging (created on the first CUDA bucket)
         self._stager: concurrent.futures.ThreadPoolExecutor | None = None
         self._h2d_streams: dict[torch.device, Any] = {}
@@ -416,7 +438,9 @@ class GradlaneState:
         return self.plane.drain(timeout_s)
 
     def close(self) -> None:
-        """Stop the data plane (in-flight buckets fail); later buckets fail with a clear error."""
+        """Stop the data plane (in-flight buckets fail); later buckets fail with a clear error.
+        Then write the timeline, if one is recorded (a failure to write it is logged, not
+        raised: ``close()`` often runs while another error is on its way)."""
         with self._lock:
             if self._closed:
                 return
@@ -426,6 +450,25 @@ class GradlaneState:
         finally:
             if self._stager is not None:
                 self._stager.shutdown(wait=True)
+            if self.timeline is not None:
+                try:
+                    self.timeline.write()
+                except GradlaneError as e:
+                    log.error("rank %d: %s", self.rank, e)
+
+    def write_timeline(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write the timeline recorded so far to ``path`` (``{rank}`` replaced by the rank;
+        default: ``HookConfig.timeline``'s file for this rank) and return where. A
+        ``HookError`` when no timeline is recorded; a ``TimelineError`` when it cannot be
+        written."""
+        if self.timeline is None:
+            raise HookError(
+                f"rank {self.rank} records no timeline: set HookConfig.timeline "
+                "(GRADLANE_HOOK__TIMELINE) to a path"
+            )
+        if path is not None:
+            path = os.fspath(path).replace("{rank}", str(self.rank))
+        return self.timeline.write(path)
 
     def __enter__(self) -> GradlaneState:
         return self
@@ -443,12 +486,13 @@ class GradlaneState:
         )
         key = _Key(self.generation, self.step, -1)
         try:
-            index = bucket.index()
+            index, last, nbytes = bucket.index(), bucket.is_last(), buf.numel() * buf.element_size()
             key = _Key(self.generation, self.step, index)
-            if bucket.is_last():
+            if last:
                 self.step += 1  # before anything can fail: every rank keeps counting the same
-            self.ledger.note_start(key.step, key.generation, buf.numel() * buf.element_size(),
-                                   ready, bucket.is_last())  # fmt: skip
+            self.ledger.note_start(key.step, key.generation, nbytes, ready, last)
+            if self.timeline is not None:
+                self.timeline.bucket_ready(key.step, index, nbytes, ready, last)
             try:
                 layout = self._layout(index, buf, bucket.parameters())
                 key = _Key(self.generation, key.step, index)
@@ -581,6 +625,9 @@ class GradlaneState:
         error: BaseException | None = None,
     ) -> None:
         self.ledger.note_done(key.step, key.generation, report, failed=error is not None)
+        if self.timeline is not None:
+            self.timeline.bucket_done(key.step, key.bucket, time.monotonic(), report=report,
+                                      error=error, generation=key.generation)  # fmt: skip
         if fut.done():
             return
         if error is None:
@@ -616,6 +663,8 @@ class GradlaneState:
             "secret_source": self.secret_source,
             **self.ledger.summary(),
         }
+        if self.timeline is not None:
+            out["timeline"] = {"events": self.timeline.events, "dropped": self.timeline.dropped}
         if plane:
             out["plane"] = self.plane.stats()
         return out

@@ -236,10 +236,13 @@ def test_hook_config_from_env():
     samples = {"transport": "zmq", "hosts": "h1,h2", "log_every": "5", "history": "7",
                "rendezvous_timeout_s": "1.5", "name": "job", "mode": "daemon",
                "daemon_socket": "/run/d.sock", "connect_timeout_s": "3",
-               "inject_loss": "0"}  # fmt: skip
+               "inject_loss": "0", "timeline": "/tmp/t.json", "timeline_events": "9"}  # fmt: skip
     assert set(samples) == {f.name for f in dataclasses.fields(HookConfig)}
     every = HookConfig.from_env({f"GRADLANE_HOOK__{k.upper()}": v for k, v in samples.items()})
-    assert every == HookConfig("zmq", ("h1", "h2"), 5, 7, 1.5, "job", "daemon", "/run/d.sock", 3.0)
+    assert every == HookConfig(
+        "zmq", ("h1", "h2"), 5, 7, 1.5, "job", "daemon", "/run/d.sock", 3.0,
+        timeline="/tmp/t.json", timeline_events=9,
+    )  # fmt: skip
     # Injected loss (tests, demos) is the UDP plane's: ZeroMQ is reliable.
     assert HookConfig.from_env({"GRADLANE_HOOK__INJECT_LOSS": "0.05"}).inject_loss == 0.05
     with pytest.raises(ConfigError, match="inject_loss"):

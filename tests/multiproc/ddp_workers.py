@@ -234,9 +234,33 @@ def join(rank: int, world: int, args: dict, down: Any) -> dict:
     return {"gap": gap, "scale": float(finals["default"].abs().max()), "steps": steps}
 
 
+def timeline(rank: int, world: int, args: dict, down: Any) -> dict:
+    """A few steps with ``GRADLANE_HOOK__TIMELINE`` set (a state built from the environment):
+    the buckets per step, and where the state wrote its timeline."""
+    os.environ["GRADLANE_HOOK__TIMELINE"] = args["path"]
+    os.environ["GRADLANE_HOOK__LOG_EVERY"] = "0"
+    torch.manual_seed(args["seed"])
+    model = digits_mlp()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+    state = GradlaneState.from_env(model=model)
+    ddp.register_comm_hook(state, gradlane_hook)
+    try:
+        for step in range(args["steps"]):
+            x, y = _batch(args["seed"], rank, step, torch.float32)
+            _loss(ddp, x, y).backward()
+        buckets = [s.buckets for s in state.step_stats()]
+        state.drain()
+        dist.barrier()
+    finally:
+        state.close()  # writes the timeline
+    assert state.timeline is not None
+    return {"buckets": buckets, "path": str(state.timeline.path)}
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict, Any], Any]] = {
     "equality": equality,
     "silent_rank": silent_rank,
     "no_sync": no_sync,
     "join": join,
+    "timeline": timeline,
 }

@@ -10,10 +10,14 @@ processes; nothing asserts on timing except that a failure arrives before the qu
 from __future__ import annotations
 
 import socket
+import tempfile
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from gradlane.integrations.timeline import STEPS_TID, merge_timelines, read_timeline
 
 from tests.multiproc import ddp_workers
 from tests.support.procs import RankProcs, owned
@@ -131,3 +135,35 @@ def test_join_with_uneven_inputs_matches_the_default_hook(group: Group, world: i
         # A rank that ran out of data keeps calling the hook (with zero buckets) until the
         # last rank is done, so every rank counts the same steps.
         assert r["steps"] == base + world - 1, r
+
+
+@pytest.mark.timeout(300)
+def test_timeline_has_a_row_per_rank_and_a_span_per_bucket_and_step(group: Group):
+    steps, world = 4, 2
+    with tempfile.TemporaryDirectory(prefix="gradlane-timeline-") as d:
+        folder = Path(d)
+        group.start("timeline", world, {"path": str(folder / "t.json"), "steps": steps, "seed": 11})
+        results = group.results()
+        paths = [Path(results[r]["path"]) for r in range(world)]
+        assert paths == [folder / f"t.rank{r}.json" for r in range(world)]
+        for rank, path in enumerate(paths):
+            events = read_timeline(path)["traceEvents"]
+            procs = [e for e in events if e["ph"] == "M" and e["name"] == "process_name"]
+            assert [(e["pid"], e["args"]["name"]) for e in procs] == [(rank + 1, f"rank {rank}")]
+            assert {e["pid"] for e in events} == {rank + 1}
+            spans = Counter(
+                (e["args"]["step"], e["args"]["bucket"]) for e in events if e.get("cat") == "bucket"
+            )
+            per_step = results[rank]["buckets"]
+            assert len(per_step) == steps and max(per_step) > 1, per_step  # DDP rebuilt its buckets
+            assert set(spans.values()) == {1}, spans  # one span per bucket and step
+            assert [sum(s == step for s, _ in spans) for step in range(steps)] == per_step
+            phases = Counter(e["name"] for e in events if e.get("cat") == "phase")
+            assert phases == {"reduce": sum(per_step), "gather": sum(per_step)}
+            step_spans = [e for e in events if e.get("cat") == "step"]
+            assert len(step_spans) == steps and {e["tid"] for e in step_spans} == {STEPS_TID}
+        merged = read_timeline(merge_timelines(paths, folder / "all.json"))
+        names = sorted(
+            e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"
+        )
+        assert names == ["rank 0", "rank 1"]

@@ -166,6 +166,7 @@ class _Collective:
     gather_received: dict[int, np.ndarray] = field(default_factory=dict)
     nonfinite: int = 0  # chunks of this rank's finished shard holding NaN/inf (from their norms)
     stage: np.ndarray | None = None  # the ordered reduce's staging buffer, while it runs
+    gather_at: float = 0.0  # when this rank's gather phase started (its reduce complete)
     # While waiting for the peers' last acknowledgements: the wait's end, or None until the
     # driver next passes in a time (see TransposeAllReduce._conclude).
     finish_by: float | None = 0.0
@@ -510,6 +511,7 @@ class TransposeAllReduce:
 
     def _start_gather(self, c: _Collective, now: float) -> None:
         self._give_stage(c)  # the reduce transfer is complete: nothing is staged any more
+        c.gather_at = now
         me, world = self.me, self.world
         lo, hi = int(c.bounds[me]), int(c.bounds[me + 1])
         chunk_elems = self.config.chunk_elems(c.dtype)
@@ -579,6 +581,7 @@ class TransposeAllReduce:
             reduce=dataclasses.replace(c.reduce_report or empty, nonfinite_chunks=c.nonfinite),
             gather=tuple(c.gather_reports[j] for j in sorted(c.gather_reports)),
             sender=self.endpoint.sender.report(c.step, c.bucket),
+            reduce_s=max(c.gather_at - c.started, 0.0),
         )
         self.endpoint.sender.forget_stats(c.step, c.bucket)
         self._events.append(AllReduceComplete(c.step, c.bucket, c.original, report))

@@ -164,6 +164,9 @@ class CollectiveReport:
     reduce: LossReport
     gather: tuple[LossReport, ...]
     sender: SenderReport = field(default_factory=SenderReport)
+    reduce_s: float = 0.0
+    """From the collective's start here to the start of this rank's gather phase (its reduce
+    complete, by data or deadline): where the reduce phase ends and the gather begins."""
 
     @property
     def degraded(self) -> bool:

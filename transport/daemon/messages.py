@@ -309,6 +309,7 @@ def report_from_wire(d: dict[str, Any]) -> CollectiveReport:
                 bytes_sent=int(s["bytes_sent"]),
                 per_path_bytes=tuple(s["per_path_bytes"]),
             ),
+            reduce_s=float(d.get("reduce_s", 0.0)),
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise IpcError("bad_field", f"DONE.report is not a collective report ({e!r})") from None
