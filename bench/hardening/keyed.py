@@ -1,0 +1,66 @@
+"""What authentication costs: the loopback all-reduce benchmark with a keyed engine beside the
+unkeyed one, run as a subprocess, and its ``summary["udp_keyed_vs_unkeyed"]["2x25"]`` read back.
+
+Where the benchmark cannot give the ratio (a flag it does not know yet, a failure, a timeout)
+the section says why instead, and the key stays absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+__all__ = ["KEY", "run_keyed"]
+
+#: The ratio read from the benchmark's summary: 2 ranks, 25 MB.
+KEY = "2x25"
+
+
+def run_keyed(timeout_s: float, *, sizes: str = "25", reps: int = 9) -> dict[str, Any]:
+    """Run ``python -m gradlane.bench.perf.allreduce --ranks 2 --sizes SIZES --reps REPS
+    --no-zmq --keyed-compare --json TMP`` (bounded by ``timeout_s``); returns the section with
+    ``summary.keyed_vs_unkeyed_2x25`` when the benchmark gave it, else a ``note``."""
+    fd, path = tempfile.mkstemp(prefix="gl-keyed-", suffix=".json")
+    os.close(fd)
+    cmd = [
+        sys.executable, "-m", "gradlane.bench.perf.allreduce", "--ranks", "2", "--sizes", sizes,
+        "--reps", str(reps), "--no-zmq", "--keyed-compare", "--json", path,
+    ]  # fmt: skip
+    out: dict[str, Any] = {"command": " ".join(cmd[1:]), "summary": {}}
+    try:
+        try:
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout_s, check=False
+            )
+        except subprocess.TimeoutExpired:
+            out["note"] = f"the benchmark did not finish within {timeout_s:.0f}s"
+            return out
+        out["returncode"] = done.returncode
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout)[-1500:]
+            if "--keyed-compare" in tail and "unrecognized" in tail:
+                out["note"] = "the all-reduce benchmark has no --keyed-compare flag yet"
+            else:
+                out["note"] = f"the benchmark failed (exit {done.returncode})"
+            out["stderr_tail"] = tail
+            return out
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            ratios = doc["summary"]["udp_keyed_vs_unkeyed"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            out["note"] = f"no summary.udp_keyed_vs_unkeyed in the benchmark's JSON ({e!r})"
+            return out
+        out["ratios"] = ratios
+        out["host"] = doc.get("host")
+        if KEY in ratios:
+            out["summary"]["keyed_vs_unkeyed_2x25"] = float(ratios[KEY])
+        else:
+            out["note"] = f"summary.udp_keyed_vs_unkeyed has no {KEY!r} (sizes {sizes})"
+        return out
+    finally:
+        os.unlink(path)
