@@ -101,11 +101,13 @@ class TransportConfig:
     """Bytes of packets for transfers not yet started locally that are held for later."""
     seed: int = 0
     """Seed of the endpoint's random generator (path choice tie-breaks)."""
-    deterministic_sum: bool = True
+    deterministic_sum: bool = False
     """Add the contributions to each shard in rank order, whatever order they arrive in, so a
     job's sums are the same bits on every run (as gloo's are). Contributions that come before
     their turn wait in a staging buffer (one float32 copy of the shard per peer, kept for
-    reuse); with two ranks the order cannot matter and nothing is staged."""
+    reuse): about 5% more time at 4 ranks x 25 MB on loopback (docs/configuration.md); with
+    two ranks the order cannot matter and nothing is staged. Off: arrival order, whose float32
+    rounding differs from run to run by about 1e-8 relative."""
     socket_buffer_bytes: int = 16 << 20
     """SO_RCVBUF / SO_SNDBUF asked for every UDP socket (forced past ``net.core.rmem_max`` when
     the process may; otherwise capped by it, with a warning). Datagrams that overflow a receive

@@ -24,8 +24,9 @@ frames of up to 1 MiB; ``summary.zmq_unbatched_vs_zmq`` gives the ratio.
 ``--keyed-compare`` adds the reliable UDP engine with a job secret (``udp_keyed``: every packet
 carries the keyed MAC instead of the checksum), interleaved; ``summary.udp_keyed_vs_unkeyed``
 gives its ratio to the default engine: what authentication costs. ``--order-compare`` adds the
-reliable engine adding contributions as they arrive (``udp_unordered``) against the default,
-which adds them in rank order; ``summary.udp_ordered_vs_unordered`` is what the order costs.
+reliable engine adding contributions in rank order (``udp_ordered``: deterministic sums)
+against the default, which adds them as they arrive; ``summary.udp_ordered_vs_unordered`` is
+what the order costs.
 
 ``--daemon`` compares hierarchical daemon mode with the embedded engine for the same 4-rank
 all-reduce: two "hosts" of two ranks, one ``gradlane daemon`` process per host (host h on
@@ -81,7 +82,7 @@ from gradlane.bench.host import HostWatch
 
 MB = 1 << 20
 TRANSPORTS = (
-    "gloo", "udp_reliable", "udp_keyed", "udp_unordered", "udp_gso_only", "udp_no_offload",
+    "gloo", "udp_reliable", "udp_keyed", "udp_ordered", "udp_gso_only", "udp_no_offload",
     "udp_bounded", "zmq", "zmq_unbatched", "daemon",
 )  # fmt: skip
 #: ``--keyed-compare``: the job secret of the keyed engine (the same on every rank).
@@ -91,7 +92,7 @@ OFFLOAD_VARIANTS = {"udp_gso_only": (True, False), "udp_no_offload": (False, Fal
 SUMMARY_KEYS = {
     "udp_reliable": "udp_reliable_vs_gloo",
     "udp_keyed": "udp_keyed_vs_gloo",
-    "udp_unordered": "udp_unordered_vs_gloo",
+    "udp_ordered": "udp_ordered_vs_gloo",
     "udp_gso_only": "udp_gso_only_vs_gloo",
     "udp_no_offload": "udp_no_offload_vs_gloo",
     "udp_bounded": "udp_bounded_vs_gloo",
@@ -160,7 +161,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
         if args["keyed_compare"]:
             kinds.append(("udp_keyed", 0.0, True, True, {"secret": KEYED_SECRET}))
         if args["order_compare"]:
-            kinds.append(("udp_unordered", 0.0, True, True, {"deterministic_sum": False}))
+            kinds.append(("udp_ordered", 0.0, True, True, {"deterministic_sum": True}))
         if args["offload_compare"]:
             kinds += [(name, 0.0, *flags, {}) for name, flags in OFFLOAD_VARIANTS.items()]
         if not args["daemon"]:
@@ -505,11 +506,11 @@ def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     plain = float(np.median(times["udp_reliable"][mb_key]))
                     row["ratio_to_unkeyed"] = med / plain
                     summary.setdefault("udp_keyed_vs_unkeyed", {})[f"{world}x{mb:g}"] = med / plain
-                if t == "udp_unordered":  # the default (ordered sums) against arrival order
-                    ordered = float(np.median(times["udp_reliable"][mb_key]))
-                    row["ratio_to_ordered"] = med / ordered
+                if t == "udp_ordered":  # deterministic sums against the default (arrival order)
+                    plain = float(np.median(times["udp_reliable"][mb_key]))
+                    row["ratio_to_unordered"] = med / plain
                     summary.setdefault("udp_ordered_vs_unordered", {})[f"{world}x{mb:g}"] = (
-                        ordered / med
+                        med / plain
                     )
                 if t in OFFLOAD_VARIANTS:  # the same engine without (some) offloads, against it
                     full = float(np.median(times["udp_reliable"][mb_key]))
@@ -588,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--order-compare",
         action="store_true",
-        help="also run the reliable UDP engine adding contributions in arrival order "
-        "(udp_unordered; the default adds them in rank order), interleaved",
+        help="also run the reliable UDP engine adding contributions in rank order "
+        "(udp_ordered: deterministic sums; the default adds them as they arrive), interleaved",
     )
     ap.add_argument(
         "--zmq-batch-compare",

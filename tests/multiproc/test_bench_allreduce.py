@@ -76,19 +76,23 @@ def test_allreduce_benchmark_compares_zmq_batch_frames_with_one_packet_per_frame
 
 
 @pytest.mark.timeout(300)
-def test_allreduce_benchmark_compares_the_keyed_engine_with_the_unkeyed_one(tmp_path):
-    """``--keyed-compare``: the reliable UDP engine with a job secret, its sum checked against
-    gloo's like the others, and its ratio to the unkeyed engine in the summary."""
+def test_allreduce_benchmark_compares_the_keyed_and_ordered_engines_with_the_default(tmp_path):
+    """``--keyed-compare`` / ``--order-compare``: the reliable UDP engine with a job secret,
+    and with deterministic sums, each checked against gloo's sum like the others, and their
+    ratios to the default engine in the summary."""
     path = tmp_path / "ar.json"
-    args = ["--ranks", "2", "--sizes", "1", "--reps", "2", "--keyed-compare", "--no-zmq",
-            "--json", str(path)]  # fmt: skip
+    args = ["--ranks", "3", "--sizes", "1", "--reps", "2", "--keyed-compare", "--order-compare",
+            "--no-zmq", "--json", str(path)]  # fmt: skip
     assert allreduce.main(args) == 0
     doc = json.loads(path.read_text())
     rows = {r["transport"]: r for r in doc["rows"]}
     assert rows["udp_keyed"]["check"]["ok_all_ranks"]
     assert rows["udp_keyed"]["check"]["delivered_fraction_min_rank"] == 1.0
     ratio = doc["summary"]["udp_keyed_vs_unkeyed"]
-    assert set(ratio) == {"2x1"} and ratio["2x1"] == rows["udp_keyed"]["ratio_to_unkeyed"] > 0
+    assert set(ratio) == {"3x1"} and ratio["3x1"] == rows["udp_keyed"]["ratio_to_unkeyed"] > 0
+    assert rows["udp_ordered"]["check"]["ok_all_ranks"]
+    ratio = doc["summary"]["udp_ordered_vs_unordered"]
+    assert ratio["3x1"] == rows["udp_ordered"]["ratio_to_unordered"] > 0
 
 
 @pytest.mark.timeout(300)
