@@ -10,7 +10,9 @@ at the receiving socket or dropped there and counted in that socket's ``drops``
 :class:`Sprayer` is the thread that keeps a :class:`Blaster` busy: batches of datagrams from a
 :class:`~gradlane.bench.hardening.forge.PacketFactory`, categories drawn by a seeded generator
 from a mix, at a paced rate (datagrams per second; 0 = as fast as it can), until stopped or its
-quota is sent.
+quota is sent. The categories that do not depend on the running step (:data:`POOLED`) come from
+a pool built before the level starts, so the sprayer's CPU goes to the system calls, not to
+making datagrams on the cores the engines need.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from gradlane.bench.hardening.common import check_loopback
 from gradlane.bench.hardening.forge import PacketFactory
 from gradlane.transport.drivers.udp.mmsg import MSG_DTYPE, sockaddr
 
-__all__ = ["Blaster", "Sprayer"]
+__all__ = ["POOLED", "Blaster", "Sprayer"]
+
+#: Categories whose datagrams do not depend on the running step: built once per level into a
+#: pool that the sprayer cycles through, so that its own CPU (a Python call per datagram) stays
+#: off the cores the engines run on; the others are made as they are sent.
+POOLED = ("random", "mutation", "truncation", "replay", "forged_tag", "foreign_job", "oversized")
+#: Pooled datagrams per (category, rank).
+POOL_SIZE = 512
 
 #: Datagrams per ``sendmmsg`` call (the kernel's UIO_MAXIOV limit is 1024).
 BATCH = 256
@@ -154,6 +163,12 @@ class Sprayer(threading.Thread):
         self.rate = rate
         self.quota = quota
         self.by_category: Counter[str] = Counter()
+        self.pool = {
+            (c, r): [factory.make(c, r) for _ in range(POOL_SIZE)]
+            for c in POOLED
+            if c in mix
+            for r in self.ranks
+        }
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
         self.elapsed_s = 0.0
@@ -178,10 +193,13 @@ class Sprayer(threading.Thread):
                 k = min(BATCH, self.quota - self.sent)
                 cats = self.rng.choice(len(self.names), size=k, p=self.weights)
                 dests = self.rng.integers(0, len(self.ranks), size=k)
-                grams = [
-                    self.factory.make(self.names[c], self.ranks[d])
-                    for c, d in zip(cats.tolist(), dests.tolist(), strict=True)
-                ]
+                picks = self.rng.integers(0, POOL_SIZE, size=k).tolist()
+                grams = []
+                for c, d, i in zip(cats.tolist(), dests.tolist(), picks, strict=True):
+                    pooled = self.pool.get((self.names[c], self.ranks[d]))
+                    grams.append(
+                        pooled[i] if pooled else self.factory.make(self.names[c], self.ranks[d])
+                    )
                 self.blaster.send(grams, dests)
                 for c in cats.tolist():
                     self.by_category[self.names[c]] += 1

@@ -2,7 +2,9 @@
 unkeyed one, run as a subprocess, and its ``summary["udp_keyed_vs_unkeyed"]["2x25"]`` read back.
 
 Where the benchmark cannot give the ratio (a flag it does not know yet, a failure, a timeout)
-the section says why instead, and the key stays absent.
+the section says why instead, and the key stays absent. It is a timing ratio, so it first waits
+(up to :data:`SETTLE_S`) for the load the earlier phases left to decay to a quiet machine's
+(:data:`~gradlane.bench.host.QUIET_LOAD_PER_CORE`), and records the load it started at.
 """
 
 from __future__ import annotations
@@ -12,12 +14,29 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from typing import Any
+
+from gradlane.bench.host import QUIET_LOAD_PER_CORE
 
 __all__ = ["KEY", "run_keyed"]
 
 #: The ratio read from the benchmark's summary: 2 ranks, 25 MB.
 KEY = "2x25"
+#: Longest wait for the load to settle before the benchmark starts.
+SETTLE_S = 120.0
+
+
+def settle(limit_s: float = SETTLE_S) -> float:
+    """Wait until the 1-minute load average is a quiet machine's (at most ``limit_s``); the
+    seconds waited."""
+    t0 = time.monotonic()
+    quiet = QUIET_LOAD_PER_CORE * (os.cpu_count() or 1)
+    pause = threading.Event()
+    while os.getloadavg()[0] > quiet and time.monotonic() - t0 < limit_s:
+        pause.wait(2.0)  # the load average moves every few seconds: nothing to wake on
+    return time.monotonic() - t0
 
 
 def run_keyed(timeout_s: float, *, sizes: str = "25", reps: int = 9) -> dict[str, Any]:
@@ -31,6 +50,7 @@ def run_keyed(timeout_s: float, *, sizes: str = "25", reps: int = 9) -> dict[str
         "--reps", str(reps), "--no-zmq", "--keyed-compare", "--json", path,
     ]  # fmt: skip
     out: dict[str, Any] = {"command": " ".join(cmd[1:]), "summary": {}}
+    out["settled_s"] = round(settle(min(SETTLE_S, timeout_s / 2)), 1)
     try:
         try:
             done = subprocess.run(
