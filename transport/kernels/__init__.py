@@ -43,6 +43,7 @@ from gradlane.transport.kernels.receiving import (
     prepare_receive,
     receive_rows,
     reduce_into,
+    session_checks,
     sum_order,
 )
 from gradlane.transport.kernels.sending import (
@@ -76,6 +77,7 @@ __all__ = [
     "prepare_receive",
     "receive_rows",
     "reduce_into",
+    "session_checks",
     "sum_order",
     "write_headers",
 ]

@@ -201,6 +201,28 @@ def check_packet(
     return _OK, kind, src, chunk, count
 
 
+@njit(**EXACT)
+def session_verdicts(
+    arena: np.ndarray,
+    lengths: np.ndarray,
+    rows: np.ndarray,
+    spec: np.ndarray,
+    key: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """:func:`check_packet` of each listed row up to the session's checks (the tag included),
+    into ``out``: a packet that passes them all gets OK, whatever transfer it names (``spec``'s
+    transfer step is -1, which no packet names)."""
+    sp = load_spec(spec)
+    a32 = arena.view(np.uint32)
+    a64 = arena.view(np.uint64)
+    _check_rows(rows, arena.shape[0])
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        reason = check_packet(a32[r], a64[r], lengths[r], sp, key)[0]
+        out[i] = _OK if reason == _UNKNOWN_TRANSFER else reason
+
+
 #: What :func:`expected_words` returns: (usable, w0, w1, w2, src_lo, src_hi, last_chunk,
 #: last_count, max_len).
 Expected = tuple[bool, np.uint64, np.uint64, np.uint64, int, int, int, int, int]

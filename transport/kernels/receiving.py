@@ -141,6 +141,32 @@ def sum_order(
     )
 
 
+def session_checks(
+    arena: np.ndarray, lengths: np.ndarray, rows: np.ndarray, session: SessionSpec
+) -> np.ndarray:
+    """Each listed row's first failing reason (int64; ``Reason.OK``: none) among
+    :func:`~gradlane.transport.wire.header.validate`'s checks against ``session`` alone, in its
+    order, the tag included: one compiled pass over a batch, so that packets failing them (a
+    flood of forged or garbled ones) never cost Python per packet. ``arena`` is the receive
+    arena (uint8 rows), ``lengths`` int64 per row."""
+    spec = _session_spec(session)
+    rows_a = _readonly(_arena(arena, writeable=False))
+    lens = _readonly(np.ascontiguousarray(lengths, dtype=np.int64))
+    idx = _readonly(np.ascontiguousarray(rows, dtype=np.int64))
+    out = np.empty(idx.shape[0], dtype=np.int64)
+    _rx.session_verdicts(rows_a, lens, idx, spec, _key_parts(session.key)[1], out)
+    return out
+
+
+@lru_cache(maxsize=64)
+def _session_spec(session: SessionSpec) -> np.ndarray:
+    """The receive kernels' spec of ``session`` with a transfer no packet names."""
+    spec = _spec(session, TransferSpec(0, 0, 0, 0, DType.F32, 0, 1, 0, 1))[0].copy()
+    spec[_rx.S_T_STEP] = -1
+    spec.flags.writeable = False
+    return spec
+
+
 def flush_order(plan: ReceivePlan) -> int:
     """Add every contribution still staged by an ordered reduce, in its order (a chunk that
     completed without some sender); returns how many. Call it when the transfer completes."""
