@@ -1,16 +1,23 @@
 """``gradlane demo``: the main job, side by side.
 
-Default (``--network loopback``): real DDP training. ``--ranks`` processes on this machine train
+Default (``--network auto``): the testbed where this machine can build it (root, or
+unprivileged user namespaces), else loopback, saying why and how to get the testbed.
+
+``--network testbed``: real DDP training across an emulated congested leaf-spine
+(:mod:`gradlane.bench.demo.testbed`): one rank per testbed host, each inside its host's network
+namespace, 200 Mbit/s links, UDP cross traffic at ``--congest`` of a link through spine 0, a
+model with 4.5 MB of gradients (the network, not the CPU, sets the step time). Three runs from
+the same initialisation on the same batches: gloo over the hosts' ECMP addresses (the baseline,
+hashed over both spines as on a real fabric), gloo on path 0 (through the congested spine), and
+gradlane over both paths; no injected loss. Held-out accuracy every few steps gives each run's
+time to accuracy.
+
+``--network loopback``: real DDP training. ``--ranks`` processes on this machine train
 a model on scikit-learn's digits twice — with DDP's default gloo all-reduce hook, then with the
 gradlane hook over UDP (a loss bound, and ``--inject-loss`` of the received datagrams dropped at
 random with a fixed seed, since loopback never loses) — and print a table: test accuracy, step
 and communication time percentiles, delivered fraction, retransmissions
 (:mod:`gradlane.bench.demo.training` does the work).
-
-``--network testbed``: the same DDP training across an emulated congested leaf-spine
-(:mod:`gradlane.bench.demo.testbed`; root): one rank per testbed host, each inside its host's
-network namespace, UDP cross traffic at ``--congest`` of a link through spine 0; gloo over the
-hosts' path-0 addresses (through that spine), gradlane over both paths, no injected loss.
 
 ``--network sim``: the all-reduce part of training on the simulated 8-rank leaf-spine (the real
 protocol cores, a simulated clock) with cross traffic on one spine link: the TCP-like baseline
@@ -25,6 +32,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from gradlane.bench.host import HostWatch
@@ -36,12 +44,13 @@ __all__ = ["COMMAND", "add_arguments", "run"]
 _MODEL_TEXT = {
     "mlp": "an MLP (64-256-256-10, 85,002 parameters)",
     "cnn": "a CNN (2 conv + 2 linear layers, 38,282 parameters)",
+    "wide": "a wide MLP (64-1024-1024-10, 1,126,410 parameters: 4.5 MB of gradients)",
 }
 #: Defaults that differ between the networks.
-_DEFAULTS = {
-    "loopback": {"ranks": 4, "steps": 200, "loss_bound": 0.05, "congest": 0.8},
-    "sim": {"ranks": 8, "steps": 8, "loss_bound": 0.02, "congest": 0.8},
-    "testbed": {"ranks": 4, "steps": 100, "loss_bound": 0.02, "congest": 0.7},
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "loopback": {"ranks": 4, "steps": 200, "loss_bound": 0.05, "congest": 0.8, "model": "mlp"},
+    "sim": {"ranks": 8, "steps": 8, "loss_bound": 0.02, "congest": 0.8, "model": "mlp"},
+    "testbed": {"ranks": 4, "steps": 60, "loss_bound": 0.02, "congest": 0.7, "model": "wide"},
 }
 
 
@@ -49,16 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``gradlane demo``."""
     p.add_argument(
         "--network",
-        choices=("loopback", "sim", "testbed"),
-        default="loopback",
-        help="loopback: real DDP training in processes on this machine (default); "
-        "testbed: the same across an emulated congested leaf-spine (root); "
-        "sim: the all-reduce on the simulated leaf-spine",
+        choices=("auto", "testbed", "loopback", "sim"),
+        default="auto",
+        help="testbed: real DDP training across an emulated congested leaf-spine (root or "
+        "user namespaces); loopback: the same in processes on this machine; sim: the "
+        "all-reduce on the simulated leaf-spine; auto (default): testbed where possible",
     )
     p.add_argument("--ranks", type=int, help="ranks (default 4; sim: 8; testbed: hosts, 4)")
-    p.add_argument("--steps", type=int, help="training steps (default 200; sim: 8; testbed: 100)")
+    p.add_argument("--steps", type=int, help="training steps (default 200; sim: 8; testbed: 60)")
     p.add_argument(
-        "--model", choices=("mlp", "cnn"), default="mlp", help="the digits model (default mlp)"
+        "--model",
+        choices=("mlp", "cnn", "wide"),
+        help="the digits model (default mlp; testbed: wide, 4.5 MB of gradients)",
     )
     p.add_argument(
         "--loss-bound",
@@ -80,6 +91,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="accuracy against training time and step-time CDFs as a PNG (default: beside "
+        "--json, same name; needs matplotlib)",
+    )
+    p.add_argument(
+        "--timeline",
+        metavar="PATH",
+        help="write the gradlane run's timeline (every rank's buckets and their phases) as "
+        "Chrome trace-event JSON for https://ui.perfetto.dev",
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        help="the accuracy (%%) time-to-accuracy is measured at (default: 1 point under "
+        "gloo's final accuracy)",
+    )
     sim = p.add_argument_group("--network sim and testbed")
     sim.add_argument(
         "--congest",
@@ -87,15 +116,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cross traffic on one spine link, fraction of its rate (default 0.8; testbed 0.7)",
     )
     sim.add_argument(
-        "--link-mbit", type=float, default=1000.0, help="testbed link rate (default 1000)"
+        "--link-mbit", type=float, default=200.0, help="testbed link rate (default 200)"
     )
     sim.add_argument("--bursty", action="store_true", help="on/off bursts of cross traffic")
 
 
 def _resolve(args: argparse.Namespace) -> None:
+    if args.network == "auto":
+        args.network = _auto_network(args.transport)
     for name, value in _DEFAULTS[args.network].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+
+
+def _auto_network(transport: str) -> str:
+    """The testbed where this machine can build one, else loopback (saying why and how)."""
+    from gradlane.bench.testbed.netns import privilege
+    from gradlane.transport.errors import GradlaneError
+
+    if transport != "udp":
+        emit(
+            f"gradlane demo: running on loopback: the emulated network's run is gradlane's "
+            f"multipath UDP plane, and --transport {transport} was asked"
+        )
+        return "loopback"
+    try:
+        privilege()
+    except GradlaneError as e:
+        emit(
+            f"gradlane demo: running on loopback: the emulated network needs root or "
+            f"unprivileged user namespaces ({e}); run as root for the testbed, or pass "
+            "--network loopback to skip this check"
+        )
+        return "loopback"
+    return "testbed"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,6 +175,8 @@ def _run_ddp(args: argparse.Namespace) -> int:
         inject_loss=inject,
         transport=args.transport,
         seed=args.seed,
+        target_accuracy=args.target_accuracy,
+        timeline=_timeline_path(args),
     )
     if not 0.0 <= inject < 1.0 or not 0.0 <= bound <= 0.5 or opts.ranks < 2:
         emit("gradlane demo: needs --ranks >= 2, --inject-loss in [0, 1), --loss-bound in [0, 0.5]")
@@ -154,9 +210,32 @@ def _run_ddp(args: argparse.Namespace) -> int:
     return _report(out, args)
 
 
+def _timeline_path(args: argparse.Namespace) -> str:
+    """``--timeline`` as an absolute path (the ranks may run elsewhere), or ''."""
+    return str(Path(args.timeline).resolve()) if args.timeline else ""
+
+
 def _report(out: dict[str, Any], args: argparse.Namespace) -> int:
-    """Print the side-by-side table and write ``--json``; the exit code of a finished run."""
-    _table(out)
+    """Print the side-by-side table, write ``--json``, the figure and the merged timeline; the
+    exit code of a finished run."""
+    from gradlane.bench.demo.report import plot, table
+    from gradlane.bench.demo.training import merge_rank_timelines
+    from gradlane.transport.errors import GradlaneError
+
+    out["summary"] = {"network": args.network, "link_mbit": out.get("link_mbit"), **out["summary"]}
+    table(out)
+    png = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        if plot(out, png):
+            emit(f"figure: {png}")
+        else:
+            emit("figure: not drawn (matplotlib is not installed)")
+    if args.timeline:
+        try:
+            merge_rank_timelines(_timeline_path(args), out["options"]["ranks"])
+            emit(f"timeline: {args.timeline} (open in https://ui.perfetto.dev)")
+        except (GradlaneError, OSError) as e:
+            emit(f"timeline: not written ({e})", err=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=float)
@@ -193,6 +272,8 @@ def _run_testbed(args: argparse.Namespace) -> int:
         inject_loss=0.0,
         seed=args.seed,
         chunk_bytes=8192,
+        target_accuracy=args.target_accuracy,
+        timeline=_timeline_path(args),
     )
     tb = TestbedDemo(hosts=args.ranks, link_mbit=args.link_mbit, cross=args.congest)
     emit(
@@ -202,10 +283,13 @@ def _run_testbed(args: argparse.Namespace) -> int:
     )
     emit(
         f"one rank per host trains {_MODEL_TEXT[opts.model]} with DDP on scikit-learn's "
-        f"digits, {opts.steps} steps of {opts.ranks}x{opts.batch} images, twice:"
+        f"digits, {opts.steps} steps of {opts.ranks}x{opts.batch} images, three times:"
     )
-    emit("  gloo      DDP's default all-reduce hook (gloo, TCP over path 0, through spine 0)")
-    emit(f"  gradlane  gradlane hook over UDP, both paths, loss bound {opts.loss_bound:g}")
+    emit("  gloo        DDP's default all-reduce hook (gloo, TCP over the hosts' ECMP addresses,")
+    emit("              each connection hashed onto a spine)")
+    emit("  gloo_path0  the same on path 0 (every connection through the congested spine)")
+    emit(f"  gradlane    gradlane hook over UDP, both paths, loss bound {opts.loss_bound:g}")
+    host = HostWatch()
     try:
         with RunProgress() as bars:
             out = run_testbed_demo(opts, tb, _on_progress(bars))
@@ -215,46 +299,8 @@ def _run_testbed(args: argparse.Namespace) -> int:
     except GradlaneError as e:  # TestbedUnavailable: not root (it says so), a testbed error
         emit(f"gradlane demo --network testbed: {e}", err=True)
         return 2
+    out["host"] = host.record()
     return _report(out, args)
-
-
-def _table(out: dict[str, Any]) -> None:
-    g, d = out["runs"]["gloo"], out["runs"]["gradlane"]
-    opts = out["options"]
-    line = "{:<32}{:>16}{:>16}"
-    emit("")
-    emit(line.format("", "gloo (default)", f"gradlane {opts['transport']}"))
-    emit(
-        line.format(
-            "final test accuracy (%)", f"{g['accuracy_mean']:.2f}", f"{d['accuracy_mean']:.2f}"
-        )
-    )
-    for label, key in (
-        ("step time p50 (ms)", "step_p50_s"),
-        ("step time p99 (ms)", "step_p99_s"),
-        ("comm time p50 (ms)", "comm_p50_s"),
-        ("comm time p99 (ms)", "comm_p99_s"),
-    ):
-        emit(line.format(label, f"{g[key] * 1e3:.2f}", f"{d[key] * 1e3:.2f}"))
-    emit(
-        line.format(
-            "delivered fraction (mean/min)",
-            "1 (TCP)",
-            f"{d['delivered_fraction_mean']:.4f}/{d['delivered_fraction_min']:.3f}",
-        )
-    )
-    emit(line.format("retransmitted chunks", "n/a", str(d["retransmitted"])))
-    emit(line.format("degraded buckets", "-", str(d["degraded_buckets"])))
-    emit(line.format("datagrams dropped on purpose", "-", str(d["injected_drops"])))
-    w = opts["warmup_steps"]
-    emit("")
-    emit("accuracy: mean over the ranks, on the 360 held-out images")
-    emit(
-        f"times: per step the slowest rank, steps {w + 1}..{opts['steps']} (the first {w} "
-        "rebuild DDP's buckets);"
-    )
-    emit("       comm: from the first bucket ready to the last bucket reduced")
-    emit(f"retransmissions and drops: all ranks together; {out['wall_s']:.0f} s wall")
 
 
 def _run_sim(args: argparse.Namespace) -> int:

@@ -3,14 +3,16 @@
 :func:`run_testbed_demo` brings up a leaf-spine testbed (:mod:`gradlane.bench.testbed.netns`; root,
 or unprivileged user namespaces), starts UDP cross traffic through spine 0, and runs one rank per
 host *inside the host's namespace* (``python -m gradlane.bench.demo.testbed``, talking to the parent
-through :mod:`gradlane.bench.replay.rank_pipes`). Every rank trains the demo's model twice from the
-same initialisation on the same batches (:func:`gradlane.bench.demo.training._train`): with DDP's
-default hook (gloo over TCP on the hosts' path-0 addresses, i.e. through the congested spine, like
-any single-path job) and with the gradlane hook over both paths (the replay's testbed transport
-config, ``gradlane.bench.replay.run.TESTBED_TRANSPORT``: MTU-sized chunks, fixed pacing at a share
-of the link, priorities, the loss bound). No loss is injected: what is lost, the network
-lost. The comparison is the loopback demo's
-(:func:`gradlane.bench.demo.training._compare`); the testbed is torn down whatever happens.
+through :mod:`gradlane.bench.replay.rank_pipes`). Every rank trains the demo's model from the
+same initialisation on the same batches (:func:`gradlane.bench.demo.training._train`), three
+times (:data:`TESTBED_RUNS`): with DDP's default hook over gloo on the hosts' ECMP addresses
+(``gloo``: each TCP connection hashed onto a spine, as on a real fabric), again with gloo on the
+path-0 addresses (``gloo_path0``: every connection through the congested spine, like a job pinned
+to one rail), and with the gradlane hook over both paths (the replay's testbed transport config,
+``gradlane.bench.replay.run.TESTBED_TRANSPORT``: fixed pacing at a share of the link,
+priorities, the loss bound). No loss is injected: what is lost, the network lost. The comparison
+is the loopback demo's (:func:`gradlane.bench.demo.training._compare`, ``gloo`` the baseline);
+the testbed is torn down whatever happens.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
-from gradlane.bench.demo.training import RUNS, DemoOptions, _compare, _train
+from gradlane.bench.demo.training import DemoOptions, _compare, _train
 from gradlane.bench.replay.rank import NetParams, ReplayConfig, ifname_of, transport_config
 from gradlane.bench.replay.rank_pipes import RankPipes, say
+from gradlane.bench.testbed.netns import ECMP_IFNAME
 
-__all__ = ["TestbedDemo", "main", "run_testbed_demo"]
+__all__ = ["TESTBED_RUNS", "TestbedDemo", "main", "run_testbed_demo"]
+
+#: The testbed demo's runs, in order: gloo over ECMP (the baseline), gloo on path 0, gradlane.
+TESTBED_RUNS = ("gloo", "gloo_path0", "gradlane")
 
 #: Seconds without a word from any rank before the demo gives up.
 SILENCE_S = 180.0
@@ -44,7 +50,7 @@ class TestbedDemo:
     __test__ = False
 
     def __init__(
-        self, hosts: int = 4, link_mbit: float = 1000.0, cross: float = 0.7, queue: int = 1000
+        self, hosts: int = 4, link_mbit: float = 200.0, cross: float = 0.7, queue: int = 1000
     ) -> None:
         self.hosts, self.link_mbit, self.cross, self.queue = hosts, link_mbit, cross, queue
 
@@ -54,7 +60,8 @@ def run_testbed_demo(
     tb: TestbedDemo,
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Train twice on a congested testbed, one rank per host; returns the comparison."""
+    """Train three times (:data:`TESTBED_RUNS`) on a congested testbed, one rank per host;
+    returns the comparison."""
     from gradlane.bench.replay.run import TESTBED_TRANSPORT, TestbedNetwork
     from gradlane.bench.testbed.netns import Testbed, TestbedSpec, privilege
 
@@ -71,7 +78,7 @@ def run_testbed_demo(
         queue_packets=tb.queue,
         prefix=f"dm{os.getpid() % 1_000_000}",
     )
-    results: dict[str, dict[int, dict[str, Any]]] = {run: {} for run in RUNS}
+    results: dict[str, dict[int, dict[str, Any]]] = {run: {} for run in TESTBED_RUNS}
     t0 = time.perf_counter()
     with Testbed(spec) as bed:
         net = TestbedNetwork(bed, master_port=MASTER_PORT, **TESTBED_TRANSPORT)
@@ -97,8 +104,9 @@ def run_testbed_demo(
                 elif msg["type"] == "result":
                     results[msg["run"]][rank] = msg["out"]
         description = net.description
-    out = _compare(opts, results)
+    out = _compare(opts, results, TESTBED_RUNS)
     out["wall_s"] = time.perf_counter() - t0
+    out["link_mbit"] = tb.link_mbit
     out["network"] = f"{description}; UDP cross traffic at {tb.cross:.0%} of a link through spine 0"
     return out
 
@@ -120,20 +128,26 @@ def _rank(job: dict[str, Any]) -> None:
     opts = DemoOptions(**job["opts"])
     master, port = job["master"]
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master, str(port)
-    ifname = ifname_of(addrs[0])
-    if ifname:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)  # gloo on path 0, like the store
     torch.set_num_threads(1)
     td = datetime.timedelta(seconds=120)
     store = dist.TCPStore(master, int(port), world, rank == 0, timeout=td)
+    # gloo reads GLOO_SOCKET_IFNAME as each group is built: the default group binds the host's
+    # ECMP address (its connections hashed over the spines), the second one path 0's.
+    os.environ["GLOO_SOCKET_IFNAME"] = ECMP_IFNAME
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+    path0 = ifname_of(addrs[0])
+    if not path0:
+        raise RuntimeError(f"no interface holds path 0's address {addrs[0]}")
+    os.environ["GLOO_SOCKET_IFNAME"] = path0
+    groups = {"gloo": None, "gloo_path0": dist.new_group(backend="gloo", timeout=td)}
     try:
         net = NetParams(**job["net"])
         cfg = ReplayConfig("udp", opts.loss_bound)
         transport = transport_config(cfg, net, len(addrs), world, opts.seed * 1000 + rank)
         data = load_digits(opts.seed)
-        for run in RUNS:
-            out = _train(run, rank, world, opts, data, _Up(), transport, tuple(addrs))
+        for run in TESTBED_RUNS:
+            group = groups.get(run)
+            out = _train(run, rank, world, opts, data, _Up(), transport, tuple(addrs), group)
             say(type="result", run=run, out=out)
     finally:
         dist.destroy_process_group()

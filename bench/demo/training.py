@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RUNS", "DemoError", "DemoOptions", "run_demo"]
+__all__ = ["RUNS", "DemoError", "DemoOptions", "merge_rank_timelines", "run_demo"]
 
 RUNS = ("gloo", "gradlane")
 #: Seconds the parent waits for any word from the ranks before it gives up.
@@ -61,6 +61,15 @@ class DemoOptions:
     of chunks per shard, enough for a loss bound to mean something)."""
     warmup_steps: int = 2
     """Steps left out of the timing percentiles (DDP's bucket rebuild happens in them)."""
+    eval_every: int = 4
+    """Held-out accuracy every this many steps (outside the timed step): the time-to-accuracy
+    curve."""
+    target_accuracy: float | None = None
+    """The accuracy (%) whose first crossing the time-to-accuracy figures time; None: 1 point
+    under the baseline's final accuracy."""
+    timeline: str = ""
+    """The gradlane run's hook timeline (``HookConfig.timeline``: one file per rank, merged by
+    :func:`merge_rank_timelines`); '' = off."""
     hard_deadline_s: float = 10.0
     timeout_s: float = 900.0
 
@@ -177,9 +186,12 @@ def _train(
     up: Any,
     transport: Any = None,
     hosts: tuple[str, ...] = (),
+    group: Any = None,
 ) -> dict[str, Any]:
     """Train one run on this rank; ``up.put`` gets the progress. ``transport`` and ``hosts``
-    (a TransportConfig and the local address per path) replace the loopback defaults."""
+    (a TransportConfig and the local address per path) replace the loopback defaults; a
+    baseline run (any name but ``gradlane``) all-reduces over ``group`` (a gloo process group;
+    None: the default one)."""
     import torch
     import torch.distributed as dist
     from gradlane.bench.demo.models import build
@@ -190,10 +202,10 @@ def _train(
     from torch.nn.parallel import DistributedDataParallel
 
     model = build(opts.model, opts.seed)
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, process_group=group)
     state = None
-    if run == "gloo":
-        rec = TraceRecorder(allreduce_hook, None, model=model)
+    if run != "gradlane":
+        rec = TraceRecorder(allreduce_hook, group, model=model)
     else:
         if rank == 0:  # step 0: the data plane starts, compiling the kernels on a first run
             up.put(("progress", run, 0))
@@ -203,6 +215,7 @@ def _train(
             log_every=0,
             name=f"demo-{run}",
             inject_loss=opts.inject_loss if opts.transport == "udp" else 0.0,
+            timeline=opts.timeline,
         )
         state = GradlaneState(transport or gradlane_transport(opts), hook_cfg, model=model)
         rec = TraceRecorder(gradlane_hook, state, model=model)
@@ -212,6 +225,7 @@ def _train(
         batches = _batches(len(data.y_train), world * opts.batch, opts.seed)
         every = max(1, opts.steps // 50)
         step_s = []
+        curve: list[tuple[int, float]] = []  # (steps done, held-out accuracy)
         for step in range(opts.steps):
             idx = torch.as_tensor(next(batches)[rank * opts.batch : (rank + 1) * opts.batch])
             t0 = time.perf_counter()
@@ -220,11 +234,12 @@ def _train(
             loss.backward()
             opt.step()
             step_s.append(time.perf_counter() - t0)
+            if (step + 1) % opts.eval_every == 0 or step + 1 == opts.steps:
+                curve.append((step + 1, _accuracy(model, data)))  # outside the timed step
             if rank == 0 and ((step + 1) % every == 0 or step + 1 == opts.steps):
                 up.put(("progress", run, step + 1))
+        accuracy = curve[-1][1]
         with torch.no_grad():
-            pred = model(data.x_test).argmax(1)
-            accuracy = float((pred == data.y_test).float().mean()) * 100.0
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             ref = flat.clone()
             dist.broadcast(ref, 0)
@@ -234,6 +249,7 @@ def _train(
             "param_divergence": divergence,
             "step_s": step_s,
             "comm_s": _comm_per_step(rec.records(), opts.steps),
+            "curve": curve,
         }
         if state is not None:
             stats = state.stats(plane=True)
@@ -251,6 +267,25 @@ def _train(
             state.drain()
             dist.barrier()
             state.close()
+
+
+def merge_rank_timelines(path: str, ranks: int) -> None:
+    """Merge the ranks' timeline files of ``path`` into ``path`` itself and remove them."""
+    from gradlane.integrations.timeline import merge_timelines, rank_path
+
+    parts = [rank_path(path, r) for r in range(ranks)]
+    merge_timelines(parts, path)
+    for part in parts:
+        part.unlink(missing_ok=True)
+
+
+def _accuracy(model: Any, data: Any) -> float:
+    """Held-out accuracy (%) of ``model`` on ``data``'s test split."""
+    import torch
+
+    with torch.no_grad():
+        pred = model(data.x_test).argmax(1)
+        return float((pred == data.y_test).float().mean()) * 100.0
 
 
 def gradlane_transport(opts: DemoOptions) -> Any:
@@ -292,14 +327,27 @@ def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q))
 
 
-def _compare(opts: DemoOptions, results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+def _compare(
+    opts: DemoOptions,
+    results: dict[str, dict[int, dict[str, Any]]],
+    runs: tuple[str, ...] = RUNS,
+) -> dict[str, Any]:
+    """The runs side by side (``runs[0]`` the baseline, ``"gradlane"`` among them): per run the
+    slowest rank's step and communication times, accuracy, the time-to-accuracy curve (held-out
+    accuracy against the training time so far: the sum of the steps' times, evaluation left
+    out) and the time at which it first reaches the target accuracy."""
     w = opts.warmup_steps
-    runs: dict[str, dict[str, Any]] = {}
-    for run in RUNS:
+    rows: dict[str, dict[str, Any]] = {}
+    for run in runs:
         per_rank = [results[run][r] for r in range(opts.ranks)]
-        step = np.max([r["step_s"] for r in per_rank], axis=0)[w:]
+        every_step = np.max([r["step_s"] for r in per_rank], axis=0)
+        step = every_step[w:]
         comm = np.nanmax([r["comm_s"] for r in per_rank], axis=0)[w:]
         acc = [r["accuracy"] for r in per_rank]
+        elapsed = np.cumsum(every_step)
+        points = np.mean([[a for _, a in r["curve"]] for r in per_rank], axis=0)
+        curve = [[float(elapsed[k - 1]), float(a)]
+                 for (k, _), a in zip(per_rank[0]["curve"], points, strict=True)]  # fmt: skip
         row: dict[str, Any] = {
             "accuracy_mean": float(np.mean(acc)),
             "accuracy_per_rank": acc,
@@ -308,8 +356,10 @@ def _compare(opts: DemoOptions, results: dict[str, dict[int, dict[str, Any]]]) -
             "step_p99_s": _pct(step, 99),
             "comm_p50_s": _pct(comm, 50),
             "comm_p99_s": _pct(comm, 99),
+            "train_s": float(elapsed[-1]),
             "step_s": step.tolist(),
             "comm_s": comm.tolist(),
+            "tta_curve": curve,
         }
         if run == "gradlane":
             delivered = np.concatenate([np.asarray(r["delivered"]) for r in per_rank])
@@ -323,11 +373,22 @@ def _compare(opts: DemoOptions, results: dict[str, dict[int, dict[str, Any]]]) -
             )
         else:
             row.update(delivered_fraction_mean=1.0, delivered_fraction_min=1.0)
-        runs[run] = row
-    g, d = runs["gloo"], runs["gradlane"]
+        rows[run] = row
+    g, d = rows[runs[0]], rows["gradlane"]
+    target = opts.target_accuracy
+    if target is None:
+        target = g["accuracy_mean"] - 1.0
+    for row in rows.values():
+        row["tta_s"] = next((t for t, a in row["tta_curve"] if a >= target), None)
     summary = {
         "accuracy_gloo": g["accuracy_mean"],
         "accuracy_gradlane": d["accuracy_mean"],
+        "accuracy_target": target,
+        "tta_s_gloo": g["tta_s"],
+        "tta_s_gradlane": d["tta_s"],
+        "tta_ratio_vs_gloo": _ratio(d["tta_s"], g["tta_s"]),
+        "step_p50_ratio_vs_gloo": _ratio(d["step_p50_s"], g["step_p50_s"]),
+        "step_p99_ratio_vs_gloo": _ratio(d["step_p99_s"], g["step_p99_s"]),
         "delivered_fraction": d["delivered_fraction_mean"],
         "delivered_fraction_min": d["delivered_fraction_min"],
         "step_p99_gloo_s": g["step_p99_s"],
@@ -339,7 +400,19 @@ def _compare(opts: DemoOptions, results: dict[str, dict[int, dict[str, Any]]]) -
         "retransmitted": d["retransmitted"],
         "injected_drops": d["injected_drops"],
     }
-    return {"summary": summary, "options": asdict(opts), "runs": runs}
+    for run in runs[1:]:  # further baselines (the testbed's gloo on path 0)
+        if run != "gradlane":
+            b = rows[run]
+            summary[f"tta_s_{run}"] = b["tta_s"]
+            summary[f"tta_ratio_vs_{run}"] = _ratio(d["tta_s"], b["tta_s"])
+            summary[f"step_p99_ratio_vs_{run}"] = _ratio(d["step_p99_s"], b["step_p99_s"])
+            summary[f"accuracy_{run}"] = b["accuracy_mean"]
+    return {"summary": summary, "options": asdict(opts), "runs": rows}
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    """``x / y``, or None when either is missing (a run that never reached the target)."""
+    return None if x is None or y is None or y <= 0 else x / y
 
 
 def _free_port() -> int:

@@ -31,7 +31,8 @@ def test_bounded_loss_with_injected_loss_trains_digits_like_lossless():
 @pytest.mark.parametrize("transport", ["zmq"])  # udp: the test above runs the same code
 def test_cli_demo_prints_the_table_and_writes_the_summary(tmp_path, capsys, transport):
     path = tmp_path / "demo.json"
-    args = ["demo", "--ranks", "2", "--steps", "6", "--transport", transport]
+    args = ["demo", "--network", "loopback", "--ranks", "2", "--steps", "6",
+            "--transport", transport]  # fmt: skip
     assert main([*args, "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "gloo (default)" in out and f"gradlane {transport}" in out
@@ -43,6 +44,14 @@ def test_cli_demo_prints_the_table_and_writes_the_summary(tmp_path, capsys, tran
         "delivered_fraction",
         "step_p99_gloo_s",
         "step_p99_gradlane_s",
+        "network",
+        "accuracy_target",
+        "tta_s_gloo",
+        "tta_s_gradlane",
+        "tta_ratio_vs_gloo",
+        "step_p99_ratio_vs_gloo",
     }
+    assert summary["network"] == "loopback"
+    assert "time to " in out and (tmp_path / "demo.png").exists()  # the figure beside the JSON
     if transport == "zmq":  # reliable: nothing lost, nothing dropped on purpose
         assert summary["delivered_fraction"] == 1.0 and summary["injected_drops"] == 0

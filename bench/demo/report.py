@@ -1,0 +1,121 @@
+"""What ``gradlane demo`` shows: the side-by-side table (with time-to-accuracy) and the figure.
+
+:func:`table` prints one column per run (the baseline first, gradlane last);
+:func:`plot` draws held-out accuracy against training time for every run, with the target
+accuracy and each run's time-to-accuracy marked, beside the step-time CDFs (matplotlib, only
+when it is installed: the figure is an extra, the table and the JSON are the results).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gradlane.integrations.cli.command import emit
+
+__all__ = ["LABELS", "plot", "table"]
+
+#: Column titles of the runs.
+LABELS = {
+    "gloo": "gloo (default)",
+    "gloo_path0": "gloo, path 0",
+    "gradlane": "gradlane",
+}
+
+
+def _fmt_s(x: float | None) -> str:
+    return "not reached" if x is None else f"{x:.1f}"
+
+
+def table(out: dict[str, Any]) -> None:
+    """Print the comparison: one column per run."""
+    runs = out["runs"]
+    names = list(runs)
+    opts = out["options"]
+    cols = [LABELS.get(n, n) if n != "gradlane" else f"gradlane {opts['transport']}" for n in names]
+    line = "{:<32}" + "{:>16}" * len(names)
+
+    def row(label: str, cells: list[str]) -> None:
+        emit(line.format(label, *cells))
+
+    emit("")
+    row("", cols)
+    row("final test accuracy (%)", [f"{runs[n]['accuracy_mean']:.2f}" for n in names])
+    s = out["summary"]
+    row(f"time to {s['accuracy_target']:.1f}% (s)", [_fmt_s(runs[n]["tta_s"]) for n in names])
+    row("training time (s)", [f"{runs[n]['train_s']:.1f}" for n in names])
+    for label, key in (
+        ("step time p50 (ms)", "step_p50_s"),
+        ("step time p99 (ms)", "step_p99_s"),
+        ("comm time p50 (ms)", "comm_p50_s"),
+        ("comm time p99 (ms)", "comm_p99_s"),
+    ):
+        row(label, [f"{runs[n][key] * 1e3:.2f}" for n in names])
+    d = runs["gradlane"]
+    tcp = ["1 (TCP)"] * (len(names) - 1)
+    row(
+        "delivered fraction (mean/min)",
+        [*tcp, f"{d['delivered_fraction_mean']:.4f}/{d['delivered_fraction_min']:.3f}"],
+    )
+    row("retransmitted chunks", [*(["n/a"] * (len(names) - 1)), str(d["retransmitted"])])
+    row("degraded buckets", [*(["-"] * (len(names) - 1)), str(d["degraded_buckets"])])
+    row("datagrams dropped on purpose", [*(["-"] * (len(names) - 1)), str(d["injected_drops"])])
+    w = opts["warmup_steps"]
+    emit("")
+    emit("accuracy: mean over the ranks, on the 360 held-out images, every "
+         f"{opts['eval_every']} steps (not timed)")  # fmt: skip
+    emit(
+        f"time to accuracy: training time (the steps' times, summed) until the held-out accuracy "
+        f"first reaches {s['accuracy_target']:.1f}%"
+    )
+    emit(
+        f"times: per step the slowest rank, steps {w + 1}..{opts['steps']} (the first {w} "
+        "rebuild DDP's buckets);"
+    )
+    emit("       comm: from the first bucket ready to the last bucket reduced")
+    emit(f"retransmissions and drops: all ranks together; {out['wall_s']:.0f} s wall")
+    ratio = s.get("tta_ratio_vs_gloo")
+    if ratio is not None:
+        emit(
+            f"gradlane reaches {s['accuracy_target']:.1f}% in {ratio:.2f}x gloo's time; "
+            f"step p99 {s['step_p99_ratio_vs_gloo']:.2f}x gloo's"
+        )
+
+
+def plot(out: dict[str, Any], path: str | Path) -> bool:
+    """Accuracy against training time for every run (target and time-to-accuracy marked) and
+    the step-time CDFs, as a PNG at ``path``; False (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = out["runs"]
+    target = out["summary"]["accuracy_target"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, r in runs.items():
+        curve = np.asarray(r["tta_curve"], dtype=float)
+        (line,) = ax1.plot(curve[:, 0], curve[:, 1], marker=".", label=LABELS.get(name, name))
+        if r["tta_s"] is not None:
+            ax1.axvline(r["tta_s"], color=line.get_color(), linestyle=":", linewidth=1)
+        steps = np.sort(np.asarray(r["step_s"], dtype=float)) * 1e3
+        ax2.plot(steps, np.arange(1, steps.size + 1) / steps.size, label=LABELS.get(name, name))
+    ax1.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.1f}%")
+    ax1.set_xlabel("training time (s)")
+    ax1.set_ylabel("held-out accuracy (%)")
+    ax1.set_title("time to accuracy")
+    ax1.legend(loc="lower right")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("step time (ms, slowest rank)")
+    ax2.set_ylabel("fraction of steps")
+    ax2.set_title("step-time CDF")
+    ax2.legend(loc="lower right")
+    where = out.get("network", "loopback")
+    fig.suptitle(f"gradlane demo: {where}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
