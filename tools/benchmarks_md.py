@@ -190,7 +190,12 @@ def body(data: dict[str, Any], level: str) -> list[str]:
         if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
             out += [f"**{key}**", "", *table([flat(r) for r in value])]
     for name, run in (data.get("runs") or {}).items():
-        out += [f"{level} {name}", "", *machine(run, nested=True), *body(run, level + "#")]
+        # A run that records nothing of its machine shares its file's (the demo's runs).
+        records = any(k in run for k in MACHINE if k != "machine") or "machine" in run
+        head = machine(run, nested=True) if records else []
+        inner = body(run, level + "#")
+        if head or any(line.strip() for line in inner):
+            out += [f"{level} {name}", "", *head, *inner]
     return out
 
 

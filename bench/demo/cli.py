@@ -223,6 +223,7 @@ def _report(out: dict[str, Any], args: argparse.Namespace) -> int:
     from gradlane.transport.errors import GradlaneError
 
     out["summary"] = {"network": args.network, "link_mbit": out.get("link_mbit"), **out["summary"]}
+    out["command"] = " ".join(["gradlane", *getattr(args, "argv", ["demo"])])
     table(out)
     png = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if png:

@@ -107,6 +107,9 @@ def run_testbed_demo(
     out = _compare(opts, results, TESTBED_RUNS)
     out["wall_s"] = time.perf_counter() - t0
     out["link_mbit"] = tb.link_mbit
+    description = description.replace(
+        "gloo over path 0 (spine 0)", "gloo over the ECMP addresses, then over path 0 (spine 0)"
+    )
     out["network"] = f"{description}; UDP cross traffic at {tb.cross:.0%} of a link through spine 0"
     return out
 

@@ -73,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(argv, commands())
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line as given (results files record it)
     run = getattr(args, "_run", None)
     if run is None:
         parser.print_help()
