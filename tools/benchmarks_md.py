@@ -232,7 +232,7 @@ def render(results: Path = RESULTS) -> str:
     stems = sorted((p.stem for p in files), key=len, reverse=True)
     owned: dict[str, list[Path]] = {s: [] for s in stems}
     for png in sorted(results.glob("*.png")):  # a PNG belongs to the longest stem it starts with
-        owner = next((s for s in stems if png.name.startswith(s + "_")), None)
+        owner = next((s for s in stems if png.stem == s or png.name.startswith(s + "_")), None)
         if owner:
             owned[owner].append(png)
     out = [
