@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from gradlane.bench.hardening.common import die_with_parent, engine_config, input_sets
 from gradlane.transport.drivers.peers import StaticPeers
-from gradlane.transport.drivers.udp.plane import UdpPlane, default_local_addrs
+from gradlane.transport.drivers.udp.plane import ArenaWrapper, UdpPlane, default_local_addrs
 from gradlane.transport.drivers.udp.sockets import RxArena
 
 __all__ = ["PathSilence", "RankGroup", "RankSpec", "rank_main"]
@@ -63,25 +63,15 @@ class RankSpec:
     """The path a :class:`PathSilence` tap silences when the shared flag is set (-1: no tap)."""
 
 
-class _SilentArena:
+class _SilentArena(ArenaWrapper):
     """The core's arena, except that once ``flag`` is set nothing that arrives on ``path`` is
     committed: the path is silent in this direction (counted as ``silenced``)."""
 
     def __init__(self, arena: RxArena, path: int, flag: Any) -> None:
-        self._arena = arena
+        super().__init__(arena)
         self._path = path
         self._flag = flag
         self.silenced = 0
-
-    @property
-    def rx_arena(self) -> np.ndarray:
-        """The wrapped arena's rows."""
-        return self._arena.rx_arena
-
-    @property
-    def rx_free(self) -> int:
-        """The wrapped arena's first free row."""
-        return self._arena.rx_free
 
     def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
         """Commit the rows, or drop them all when they came on the silenced path."""

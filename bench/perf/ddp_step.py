@@ -58,7 +58,6 @@ import inspect
 import json
 import multiprocessing as mp
 import os
-import platform
 import queue
 import resource
 import socket
@@ -72,7 +71,7 @@ from typing import Any
 import numpy as np
 import torch
 from gradlane.bench.demo.models import big_mlp
-from gradlane.bench.host import HostWatch
+from gradlane.bench.host import HostWatch, cpu_model
 from gradlane.transport.drivers.plane import PlaneWrapper
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -354,24 +353,12 @@ def _no_buffer_sync(model: nn.Module) -> dict[str, Any]:
     return {name: False}
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (Linux), else what ``platform`` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _environment(device: torch.device) -> dict[str, Any]:
     """What ran the steps: the device's name, torch's version and the CUDA it was built for."""
     cuda = device.type == "cuda"
     return {
         "device": device.type,
-        "device_name": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(device) if cuda else cpu_model(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,

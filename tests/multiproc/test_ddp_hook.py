@@ -9,31 +9,23 @@ processes; nothing asserts on timing except that a failure arrives before the qu
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from gradlane.integrations.timeline import STEPS_TID, merge_timelines, read_timeline
 
 from tests.multiproc import ddp_workers
-from tests.support.procs import RankProcs, owned
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.procs import RankProcs, free_port, owned
 
 
 class Group(RankProcs):
     """``world`` spawned ranks running one scenario; results by rank."""
 
     def start(self, scenario: str, world: int, args: dict) -> None:
-        port = _free_port()
+        port = free_port()
         for rank in range(world):
             self.spawn(
                 ddp_workers.rank_main,
@@ -41,16 +33,9 @@ class Group(RankProcs):
                 f"gl-ddp-{scenario}-r{rank}",
             )
 
-    def results(self, n: int | None = None) -> dict[int, Any]:
+    def results(self, n: int | None = None, wait_s: float = ddp_workers.WAIT_S) -> dict:
         """The payloads of ``n`` ranks (default: all); a rank's error fails the test."""
-        n = len(self.procs) if n is None else n
-        out: dict[int, Any] = {}
-        while len(out) < n:
-            status, rank, payload = self.up.get(timeout=ddp_workers.WAIT_S)
-            if status != "ok":
-                pytest.fail(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-        return out
+        return super().results(wait_s, n)
 
     def release(self) -> None:
         for down in self.downs.values():

@@ -16,33 +16,25 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from gradlane.transport.wire.tag import TagKey
 
 from tests.multiproc import secret_workers
-from tests.support.procs import RankProcs, owned
+from tests.support.procs import RankProcs, free_port, owned
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Group(RankProcs):
     """``world`` spawned ranks running one scenario; results by rank."""
 
     def start(self, scenario: str, world: int, args: dict) -> None:
-        port = _free_port()
+        port = free_port()
         for rank in range(world):
             self.spawn(
                 secret_workers.rank_main,
@@ -50,15 +42,9 @@ class Group(RankProcs):
                 f"gl-secret-{scenario}-r{rank}",
             )
 
-    def results(self) -> dict[int, Any]:
+    def results(self, n: int | None = None, wait_s: float = 2 * secret_workers.WAIT_S) -> dict:
         """Every rank's payload; a rank's error fails the test."""
-        out: dict[int, Any] = {}
-        while len(out) < len(self.procs):
-            status, rank, payload = self.up.get(timeout=2 * secret_workers.WAIT_S)
-            if status != "ok":
-                pytest.fail(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-        return out
+        return super().results(wait_s, n)
 
 
 @pytest.fixture

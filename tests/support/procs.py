@@ -8,8 +8,11 @@ queue; ``owned`` is the pytest fixture body that calls it and then fails on an a
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 from collections.abc import Iterator
 from typing import Any, TypeVar
+
+import pytest
 
 CTX = mp.get_context("spawn")
 JOIN_S = 30.0
@@ -27,6 +30,18 @@ class RankProcs:
         """A new ``down`` queue for ``rank``."""
         q = self.downs[rank] = CTX.Queue()
         return q
+
+    def results(self, wait_s: float, n: int | None = None) -> dict[int, Any]:
+        """The ``("ok", rank, payload)`` messages of ``n`` ranks (default: all) by rank, each
+        awaited at most ``wait_s``; a rank's error message fails the test."""
+        n = len(self.procs) if n is None else n
+        out: dict[int, Any] = {}
+        while len(out) < n:
+            status, rank, payload = self.up.get(timeout=wait_s)
+            if status != "ok":
+                pytest.fail(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+        return out
 
     def spawn(self, target: Any, args: tuple, name: str) -> None:
         """Start ``target(*args)`` in a daemon process named ``name``."""
@@ -61,3 +76,10 @@ def owned(procs: P, message: Any) -> Iterator[P]:
         procs.shutdown(message)
     codes = {p.name: p.exitcode for p in procs.procs}
     assert all(c == 0 for c in codes.values()), f"rank processes exited abnormally: {codes}"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -92,19 +92,13 @@ class RxTap(Protocol):
         ...
 
 
-class LossyArena:
-    """A receive arena that drops each datagram with probability ``rate`` (``rng``: seeded)
-    before ``arena`` sees it. The sockets fill its rows as always (``recvmmsg``, a GRO split,
-    or ``recv_into``); of each committed batch, the kept rows move down over the dropped ones,
-    in order, and only they are committed: the core and everything after it run exactly as
-    on a lossy network."""
+class ArenaWrapper:
+    """A receive arena in front of another: its rows and first free row are the wrapped
+    one's; a subclass decides in ``commit_datagrams`` what the wrapped arena is given (the
+    taps of :class:`RxTap`)."""
 
-    def __init__(self, arena: RxArena, rate: float, rng: np.random.Generator) -> None:
+    def __init__(self, arena: RxArena) -> None:
         self._arena = arena
-        self._rate = rate
-        self._rng = rng
-        self.dropped = 0
-        """Datagrams dropped so far."""
 
     @property
     def rx_arena(self) -> np.ndarray:
@@ -115,6 +109,21 @@ class LossyArena:
     def rx_free(self) -> int:
         """The wrapped arena's first free row."""
         return self._arena.rx_free
+
+
+class LossyArena(ArenaWrapper):
+    """A receive arena that drops each datagram with probability ``rate`` (``rng``: seeded)
+    before ``arena`` sees it. The sockets fill its rows as always (``recvmmsg``, a GRO split,
+    or ``recv_into``); of each committed batch, the kept rows move down over the dropped ones,
+    in order, and only they are committed: the core and everything after it run exactly as
+    on a lossy network."""
+
+    def __init__(self, arena: RxArena, rate: float, rng: np.random.Generator) -> None:
+        super().__init__(arena)
+        self._rate = rate
+        self._rng = rng
+        self.dropped = 0
+        """Datagrams dropped so far."""
 
     def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
         """Drop a random part of the ``len(lengths)`` rows just filled; commit the rest."""
