@@ -17,8 +17,10 @@ making datagrams on the cores the engines need.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import os
 import select
 import socket
 import sys
@@ -151,8 +153,10 @@ class Sprayer(threading.Thread):
         *,
         rate: float,
         quota: int,
+        cpu: int | None = None,
     ) -> None:
         super().__init__(name="gl-hardening-spray", daemon=True)
+        self.cpu = cpu  # the core this thread runs on (None: any)
         self.factory = factory
         self.ranks = [r for r, _ in targets]
         self.blaster = Blaster([a for _, a in targets])
@@ -187,6 +191,9 @@ class Sprayer(threading.Thread):
 
     def run(self) -> None:
         """Send batches until stopped or the quota is reached (pacing with sleeps)."""
+        if self.cpu is not None:  # this thread only (Linux: pid 0 is the calling thread)
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, {self.cpu})
         t0 = time.monotonic()
         try:
             while not self.stop_event.is_set() and self.sent < self.quota:

@@ -32,6 +32,7 @@ __all__ = [
     "engine_config",
     "fd_count",
     "input_sets",
+    "isolate_cpus",
     "memory_mb",
     "udp_socket_drops",
 ]
@@ -125,6 +126,33 @@ def input_sets(seed: int, world: int, n: int) -> tuple[list[list[np.ndarray]], l
             total += inputs[k][r]
         sums.append(total)
     return inputs, sums
+
+
+#: The core the sprayer runs on when the machine has more than one (the ranks get the others):
+#: a remote attacker's CPU is not its victim's, and on a small host the sprayer's own work (its
+#: system calls carry the loopback delivery too) would otherwise be charged to the engines.
+SPRAY_CPU = 0
+
+
+def isolate_cpus(pids: list[int]) -> dict[str, list[int]] | None:
+    """Pin every thread of the processes ``pids`` to all cores but :data:`SPRAY_CPU`; the
+    cores each side gets, or None where there are not two cores to split (or no affinity)."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if len(cores) < 2 or SPRAY_CPU not in cores:
+        return None
+    rest = [c for c in cores if c != SPRAY_CPU]
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, rest)
+    return {"spray": [SPRAY_CPU], "ranks": rest}
 
 
 def check_loopback(host: str) -> str:

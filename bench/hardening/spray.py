@@ -44,6 +44,7 @@ from gradlane.bench.hardening.common import (
     Budget,
     engine_config,
     fd_count,
+    isolate_cpus,
     memory_mb,
     udp_socket_drops,
 )
@@ -163,6 +164,10 @@ def run_spray(opts: SprayOptions, budget: Budget) -> dict[str, Any]:
     with RankGroup(2, opts.secret, opts.hard_deadline_s) as ranks:
         clock.lap("start")
         pids = ranks.pids
+        # Quiet and flooded alike: the ranks on their cores, the sprayer on its own.
+        cpus = isolate_cpus(pids)
+        out["cpus"] = cpus
+        spray_cpu = cpus["spray"][0] if cpus else None
         _loop(ranks, 1, budget, max_steps=WARM_STEPS, **common)
         first = WARM_STEPS + 1
         quiet = _loop(ranks, first, budget, max_steps=opts.quiet_collectives, **common)
@@ -186,7 +191,7 @@ def run_spray(opts: SprayOptions, budget: Budget) -> dict[str, Any]:
         # An unmetered burst first, then idle past every hold: the receive arena (512 rows of
         # a datagram each, touched only as deep as batches go) and the reject paths' first
         # allocations belong in the baseline, not in the flood's growth.
-        burst = _burst(factory, targets, opts)
+        burst = _burst(factory, targets, opts, spray_cpu)
         sprayed = 0
         time.sleep(min(hold, budget.left()))
         arena = RX_BATCH * cfg.slot_bytes
@@ -199,7 +204,9 @@ def run_spray(opts: SprayOptions, budget: Budget) -> dict[str, Any]:
         peaks = {p: (baseline[p][0], baseline[p][2]) for p in pids}
         for i, rate in enumerate(opts.levels):
             budget.check(f"flood level {i}")
-            level = _flood(ranks, factory, targets, opts, rate, per_level, first, budget, i, arena)
+            level = _flood(
+                ranks, factory, targets, opts, rate, per_level, first, budget, i, arena, spray_cpu
+            )
             first = level.pop("next_step")
             for p, (raw, net) in level.pop("rss_peak").items():
                 peaks[p] = (max(peaks[p][0], raw), max(peaks[p][1], net))
@@ -258,12 +265,15 @@ def run_spray(opts: SprayOptions, budget: Budget) -> dict[str, Any]:
 
 
 def _burst(
-    factory: PacketFactory, targets: list[tuple[int, tuple[str, int]]], opts: SprayOptions
+    factory: PacketFactory,
+    targets: list[tuple[int, tuple[str, int]]],
+    opts: SprayOptions,
+    spray_cpu: int | None,
 ) -> int:
     """:data:`BURST` datagrams of the mix, unpaced, with no collective running; returns how
     many went (they count in the accounting like any other)."""
     rng = np.random.default_rng([opts.seed, 0xB0B])
-    sprayer = Sprayer(factory, targets, opts.mix, rng, rate=0.0, quota=BURST)
+    sprayer = Sprayer(factory, targets, opts.mix, rng, rate=0.0, quota=BURST, cpu=spray_cpu)
     sprayer.start()
     sprayer.join(60.0)
     sprayer.stop()
@@ -283,11 +293,12 @@ def _flood(
     budget: Budget,
     index: int,
     arena_bytes: int,
+    spray_cpu: int | None,
 ) -> dict[str, Any]:
     """One flood level: spray while the ranks loop, stop both once the quota and the minimum
     count of collectives are reached (or the budget runs low)."""
     rng = np.random.default_rng([opts.seed, index, 0x5B2A])
-    sprayer = Sprayer(factory, targets, opts.mix, rng, rate=rate, quota=1 << 62)
+    sprayer = Sprayer(factory, targets, opts.mix, rng, rate=rate, quota=1 << 62, cpu=spray_cpu)
     sampler = _Sampler(ranks.pids, arena_bytes)
     sampler.start()
     ranks.send_all(
