@@ -411,6 +411,9 @@ def _write_json(path: Path, events: Iterable[dict[str, Any]], other: dict[str, A
     except OSError as e:
         raise TimelineError(f"cannot write the timeline {path}: {e.strerror or e}") from e
     try:
+        # mkstemp makes the file 0600; a timeline is a result for its user's tools, like any
+        # file the job writes (the umask cannot be read without changing it, thread-unsafely).
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write('{"traceEvents": [\n')
             sep = ""
