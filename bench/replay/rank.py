@@ -189,7 +189,14 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
         # for tens of milliseconds, so silence means a dead path only after much longer than on
         # real hardware (with the defaults, 50 ms / 200 ms, a congested run would write the idle
         # spine off and send everything over the congested one).
-        paths=PathConfig(suspect_after_s=net.suspect_after_s, down_after_s=4 * net.suspect_after_s),
+        # A path's rate estimate starts at the link's rate, not the 1 Gbit/s default: at first
+        # the water-fill splits by it, and an estimate five times the link (200 Mbit/s) takes the
+        # first steps to come down, while the congested spine gets as much as the free one.
+        paths=PathConfig(
+            suspect_after_s=net.suspect_after_s,
+            down_after_s=4 * net.suspect_after_s,
+            initial_rate_Bps=net.link_Bps,
+        ),
         pacing=PacingConfig(
             controller=net.controller,
             initial_rate_Bps=share,
