@@ -13,6 +13,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from numbers import Integral, Real
 from typing import Any
 
@@ -184,10 +185,10 @@ class TransportConfig:
         )
         return f"{type(self).__name__}({', '.join(shown)})"
 
-    @property
+    @cached_property
     def tag_key(self) -> TagKey:
         """The tag key all ranks of this job derive from ``secret`` (unkeyed for None, '' and
-        ``"off"``)."""
+        ``"off"``): derived once per config (the sender reads it for every transfer)."""
         return TagKey.from_secret(None if self.secret == SECRET_OFF else self.secret)
 
     def chunk_elems(self, dtype: int) -> int:

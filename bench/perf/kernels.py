@@ -158,12 +158,6 @@ def _pack_reduce_place(
         received[:] = 0
         contrib[:] = 0
 
-    def do_reduce() -> int:
-        return kernels.reduce_into(
-            arena, lengths, accum, contrib, received,
-            session=session, transfer=transfer, counters=counters,
-        )  # fmt: skip
-
     def do_iadd() -> None:
         iadd_dst.__iadd__(other)
 
@@ -172,13 +166,25 @@ def _pack_reduce_place(
             arena, lengths, out, received, session=session, transfer=transfer, counters=counters
         )
 
-    tk, tb, ratio = _interleaved(do_reduce, do_iadd, reps, setup=reset)
-    if counters[0] != (reps + 1) * transfer.n_chunks:
-        raise RuntimeError(f"reduce_into rejected packets: {counters.tolist()}")
-    _row(results, kernel="reduce_into", size_MB=size_mb, payload_B=payload,
-         GBps=nbytes / tk / 1e9, baseline="dst += src", baseline_GBps=nbytes / tb / 1e9,
-         ratio=ratio)  # fmt: skip
-    summary[f"reduce_vs_iadd_{size_mb}MB{tag}"] = round(ratio, 3)
+    def time_reduce(kernel: str, key: str, sess: SessionSpec) -> None:
+        """``reduce_into`` of the arena's packets under ``sess`` against ``dst += src``."""
+
+        def do_reduce() -> int:
+            return kernels.reduce_into(
+                arena, lengths, accum, contrib, received,
+                session=sess, transfer=transfer, counters=counters,
+            )  # fmt: skip
+
+        counters[:] = 0
+        tk, tb, ratio = _interleaved(do_reduce, do_iadd, reps, setup=reset)
+        if counters[0] != (reps + 1) * transfer.n_chunks:
+            raise RuntimeError(f"{kernel} rejected packets: {counters.tolist()}")
+        _row(results, kernel=kernel, size_MB=size_mb, payload_B=payload,
+             GBps=nbytes / tk / 1e9, baseline="dst += src", baseline_GBps=nbytes / tb / 1e9,
+             ratio=ratio)  # fmt: skip
+        summary[f"{key}_{size_mb}MB{tag}"] = round(ratio, 3)
+
+    time_reduce("reduce_into", "reduce_vs_iadd", session)
 
     tk, tb, ratio = _interleaved(do_place, do_copy, reps, setup=reset)
     _row(results, kernel="place_into", size_MB=size_mb, payload_B=payload,
@@ -196,22 +202,9 @@ def _pack_reduce_place(
 
     # The keyed receive: the same packets under the job key, checked and added.
     kernels.pack(src, arena, lengths, dtype=DType.F32, header=header, chunk_elems=ce, key=keyed)
-    keyed_session = SessionSpec(job=1, me=0, world=2, key=keyed)
-
-    def do_reduce_keyed() -> int:
-        return kernels.reduce_into(
-            arena, lengths, accum, contrib, received,
-            session=keyed_session, transfer=transfer, counters=counters,
-        )  # fmt: skip
-
-    counters[:] = 0
-    tk, tb, ratio = _interleaved(do_reduce_keyed, do_iadd, reps, setup=reset)
-    if counters[0] != (reps + 1) * transfer.n_chunks:
-        raise RuntimeError(f"keyed reduce_into rejected packets: {counters.tolist()}")
-    _row(results, kernel="reduce_keyed", size_MB=size_mb, payload_B=payload,
-         GBps=nbytes / tk / 1e9, baseline="dst += src", baseline_GBps=nbytes / tb / 1e9,
-         ratio=ratio)  # fmt: skip
-    summary[f"reduce_keyed_vs_iadd_{size_mb}MB{tag}"] = round(ratio, 3)
+    time_reduce(
+        "reduce_keyed", "reduce_keyed_vs_iadd", SessionSpec(job=1, me=0, world=2, key=keyed)
+    )
 
     half = src.astype(np.float16).view(np.uint16)
     for name, wire in (("send_bf16", DType.BF16), ("send_f16", DType.F16)):

@@ -10,14 +10,13 @@ whole process group (rank processes, daemons, trainers) is killed, so nothing ou
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.procs import run_in_session
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_S = 420.0
@@ -30,25 +29,8 @@ def campaign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("hardening") / "hardening.json"
     cmd = [sys.executable, "-m", "gradlane.bench.hardening", "--quick", "--skip-keyed",
            "--json", str(path)]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=RUN_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
-        pytest.fail(f"the quick campaign ran past {RUN_S:.0f}s:\n{out[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-    assert proc.returncode in (0, 1), out[-4000:]
+    code, out = run_in_session(cmd, RUN_S, cwd=ROOT)
+    assert code in (0, 1), out[-4000:]
     assert path.exists(), out[-4000:]
     doc: dict[str, Any] = json.loads(path.read_text())
     doc["_output"] = out

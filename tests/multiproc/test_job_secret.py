@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +23,7 @@ import pytest
 from gradlane.transport.wire.tag import TagKey
 
 from tests.multiproc import secret_workers
-from tests.support.procs import RankProcs, free_port, owned
+from tests.support.procs import RankProcs, free_port, owned, run_in_session
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,22 +95,8 @@ def test_states_are_keyed_by_default_under_torchrun():
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "-m", "tests.multiproc.secret_workers"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, out
+    code, out = run_in_session(cmd, 240, cwd=ROOT, env=env)
+    assert code == 0, out
     lines = [ln for ln in out.splitlines() if ln.startswith(secret_workers.RESULT)]
     assert len(lines) == 2, out
     per_rank = [json.loads(ln[len(secret_workers.RESULT) :]) for ln in lines]

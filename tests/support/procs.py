@@ -8,8 +8,12 @@ queue; ``owned`` is the pytest fixture body that calls it and then fails on an a
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 import socket
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -83,3 +87,31 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_in_session(
+    cmd: list[str], timeout_s: float, *, cwd: Path, env: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """Run ``cmd`` in a session of its own (stdout and stderr together) and return its exit
+    code and output; past ``timeout_s`` its whole process group (ranks, daemons, everything it
+    started) is killed and the test fails with the output's tail."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=None if env is None else dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"{cmd[:4]} ran past {timeout_s:.0f}s:\n{out[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    return proc.returncode, out

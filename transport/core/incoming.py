@@ -43,7 +43,7 @@ class HeldRows:
 
 class InTransfer:
     """State of one incoming shard. ``target`` is the accumulator (reduce) or output (gather);
-    ``stats``/``final`` as in
+    ``stats``/``final``/``order`` as in
     :meth:`~gradlane.transport.core.receiver.ReceiverCore.expect`."""
 
     def __init__(
@@ -58,6 +58,7 @@ class InTransfer:
         stats: kernels.ChunkStats | None = None,
         final: int = 0,
         scale: float = 1.0,
+        order: kernels.SumOrder | None = None,
     ) -> None:
         self.key = key
         self.stats = stats  # filled by the reduce kernel as chunks complete (see expect)
@@ -103,7 +104,7 @@ class InTransfer:
         self.rejected = 0
         self.done = False
         self.plan: kernels.ReceivePlan | None = None  # the receive kernels' checked arguments
-        self.order: kernels.SumOrder | None = None  # a reduce's fixed order of senders
+        self.order = order  # a reduce's fixed order of senders (None: arrival order)
         self.sent_stopped = False  # gather: our reduce transfer to its owner was stopped
 
     @property

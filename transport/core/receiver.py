@@ -164,8 +164,9 @@ class ReceiverCore:
         that order of senders (:func:`kernels.sum_order`); what is still staged at completion
         is added then.
         """
-        t = InTransfer(key, spec, senders, target, contrib, received, now, stats, final, scale)
-        t.order = order
+        t = InTransfer(
+            key, spec, senders, target, contrib, received, now, stats, final, scale, order
+        )
         self.transfers[key] = t
         self._refresh_check(t)
         self._early_at.pop(key, None)
