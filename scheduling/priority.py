@@ -184,6 +184,13 @@ class PriorityPolicy(ABC):
             pinned: the bucket holds a pinned layer: every chunk is protected, class 0.
         """
 
+    def send_position(self, layer_position: float) -> float:
+        """Where a transfer sorts among the transfers of its class in the sender's queue, and a
+        collective among those waiting to start (lower first): its layer position, so a
+        front-layer bucket, which the next forward pass needs first, preempts a back-layer
+        one."""
+        return layer_position
+
     # -- helpers shared by the built-in policies ------------------------------------------------
 
     def _pinned(self, n: int) -> Classes:
@@ -341,7 +348,12 @@ class MagnitudePolicy(PriorityPolicy):
 
 @register_priority_policy("flat")
 class FlatPolicy(PriorityPolicy):
-    """Baseline: every chunk in class 1, nothing protected or droppable (pinned still is)."""
+    """Baseline: every chunk in class 1, nothing protected or droppable (pinned still is), and
+    transfers served in the order they start (no layer order): a transport without priority."""
+
+    def send_position(self, layer_position: float) -> float:
+        """0 for every transfer: the sender's queue falls back to start order (FIFO)."""
+        return 0.0
 
     def classify(
         self, *, norms: np.ndarray, layer_position: float, pinned: bool = False

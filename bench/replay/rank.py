@@ -27,7 +27,7 @@ and the same store carries every engine's bound UDP addresses. For each configur
 The *protected* bucket is the front layer's (the one whose span starts at layer position 0: the
 next forward pass needs it first). With priority on it is submitted ``pinned`` — every chunk
 protected, class 0, the highest DSCP — and with priority off like any other (policy ``flat``,
-DSCP 0).
+DSCP 0, buckets sent in the order they start, as by a transport without priorities).
 Buffers are refilled from the rank's gradients between steps (untimed), so sums never grow.
 """
 
@@ -80,7 +80,7 @@ class ReplayConfig:
     """0 = reliable; e.g. 0.02 = bounded (each receiver may miss 2% of each sender's elements)."""
     priority: bool = True
     """Priority classes by layer and magnitude, DSCP marked, the front layer pinned; off = one
-    class (policy ``flat``, DSCP 0)."""
+    class, start order (policy ``flat``, DSCP 0)."""
     multipath: bool = True
     """Spray over every path; off = path 0 only."""
 

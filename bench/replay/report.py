@@ -20,7 +20,7 @@ Summary keys (``null`` when the run lacks the configurations a key compares):
                                over the capacity of the paths it used (link rate × paths)
 ``two_paths_vs_one``           goodput with every path over goodput with path 0 only
 ``priority_protected_p99_gain`` p99 latency of the protected (front-layer) bucket, priority off
-                               (``+flat``) over on
+                               (``+flat``: one class, DSCP 0, start order) over on
 =============================  ===================================================================
 """
 

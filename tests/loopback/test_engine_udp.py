@@ -174,6 +174,62 @@ def test_a_started_collective_sends_before_it_reads(cluster: MakeCluster):
     assert log[0] == "data", log[:4]
 
 
+def _hold_loop(engine: UdpPlane) -> threading.Event:
+    """Block ``engine``'s loop thread until the returned event is set (at most WAIT_S)."""
+    gate, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        gate.wait(WAIT_S)
+
+    assert engine._loop is not None
+    engine._loop.call_soon_threadsafe(hold)
+    assert held.wait(WAIT_S)
+    return gate
+
+
+@pytest.mark.timeout(60)
+def test_requests_that_wait_together_start_most_urgent_first(cluster: MakeCluster):
+    """Buckets submitted while the loop is busy start together, pinned first, then by layer
+    position (front first), then in submission order: a protected bucket submitted last does
+    not wait behind the start of each bucket submitted before it."""
+    engines = cluster(2)
+    started: list[int] = []
+    start = engines[0]._pending.start
+
+    def spy_start(core, fut, req, now):  # the real start, noting the order
+        started.append(req.bucket)
+        return start(core, fut, req, now)
+
+    engines[0]._pending.start = spy_start  # type: ignore[method-assign]
+    rng = np.random.default_rng(9)
+    data = {b: rng.standard_normal(50_000).astype(np.float32) for b in range(4)}
+    asks = ((0, 0.9, False), (1, 0.5, False), (2, 0.5, False), (3, 0.95, True))
+    gate = _hold_loop(engines[0])
+    futs = [engines[0].submit(1, b, data[b], pos, pinned=p) for b, pos, p in asks]
+    gate.set()
+    futs += [engines[1].submit(1, b, data[b], pos, pinned=p) for b, pos, p in asks]
+    for f in futs:
+        np.testing.assert_allclose(f.result(WAIT_S)[0], 2 * data[f.result()[1].bucket])
+    assert started == [3, 1, 2, 0]
+
+
+@pytest.mark.timeout(60)
+def test_requests_still_waiting_at_close_fail(cluster: MakeCluster):
+    engines = cluster(2)
+    gate = _hold_loop(engines[0])
+    fut = engines[0].submit(1, 0, np.ones(1000, np.float32))
+    closer = threading.Thread(target=engines[0].close)
+    closer.start()
+    deadline = time.monotonic() + WAIT_S  # close() marks the plane closed before it waits
+    while not engines[0]._closed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    gate.set()  # the loop now finds the request still waiting, on a closed plane
+    closer.join(WAIT_S)
+    with pytest.raises(TransferFailed, match="closed"):
+        fut.result(WAIT_S)
+
+
 @pytest.mark.timeout(60)
 def test_both_loopback_paths_carry_traffic(cluster: MakeCluster):
     engines = cluster(2)

@@ -113,6 +113,8 @@ class OutTransfer:
         self.key = key
         self.seq = seq
         self.layer_position = float(layer_position)
+        # Its place among transfers of one class in the sender's queue (the policy's choice).
+        self.send_position = float(priority.send_position(self.layer_position))
         self.started = now
         self.hard_deadline = now + cfg.loss.hard_deadline_s
         gather = key.phase == Phase.GATHER

@@ -5,7 +5,8 @@ Theory of operation
 The per-chunk state of each outgoing transfer and its packet headers are
 :mod:`gradlane.transport.core.outgoing`'s; this module decides what goes out when. Sending order is
 global: a heap over transfers keyed by (class of the next chunk, layer position, creation order), so
-a front-layer bucket preempts a back-layer one and protected chunks of any bucket go first;
+a front-layer bucket preempts a back-layer one and protected chunks of any bucket go first (the
+policy's ``send_position`` places a transfer within its class: ``flat`` keeps start order);
 retransmissions of a class go before new chunks of that class. Bytes toward a peer are paced
 per path and spread over paths by :class:`gradlane.scheduling.paths.PathSet`; the per-peer path
 state the sender keeps on top (RTOs, probes, control paths) is
@@ -379,17 +380,18 @@ class SenderCore:
             if cls is None:
                 self._sendable.discard(key)
             else:
-                heap.append((cls, t.layer_position, t.seq, key))  # type: ignore[union-attr]
+                heap.append((cls, t.send_position, t.seq, key))  # type: ignore[union-attr]
         heapq.heapify(heap)
         nic = self.nic
         local_left = nic.allowance(now) if nic is not None else 1 << 62
-        quantum = self.config.tx_quantum_packets * self.config.slot_bytes
+        quantum = self._quantum(bool(heap) and heap[0][0] == 0)
         if local_left < quantum and nic is not None:
             # Wait for a whole quantum of tokens: same rate, fewer and larger batches.
             self._pace_at = nic.next_send_time(now, quantum)
             return out
         allowance: dict[int, int] = {}
         blocked: set[int] = set()
+        urgent_blocked = False
         budget = self.config.burst_packets * self._n_paths
         while heap and budget > 0 and local_left > 0:
             cls, _, _, key = heapq.heappop(heap)
@@ -402,6 +404,7 @@ class SenderCore:
             avail = min(allowance[peer], local_left)
             if avail <= 0:
                 blocked.add(peer)
+                urgent_blocked |= cls == 0
                 continue
             # The classes after ``cls`` may go in the same batch while no other transfer to
             # this peer has chunks of a class that must precede them: only transfers sharing a
@@ -419,16 +422,30 @@ class SenderCore:
             if nxt is None:
                 self._sendable.discard(key)
             elif consumed:
-                heapq.heappush(heap, (nxt, t.layer_position, t.seq, key))
+                heapq.heappush(heap, (nxt, t.send_position, t.seq, key))
         if heap or blocked:
-            self._pace_at = self._wake_time(now, budget, blocked | {k.dst for *_, k in heap})
+            urgent = urgent_blocked or (bool(heap) and heap[0][0] == 0)
+            self._pace_at = self._wake_time(
+                now, budget, blocked | {k.dst for *_, k in heap}, urgent
+            )
         return out
 
-    def _wake_time(self, now: float, budget: int, peers: set[int]) -> float:
-        """When sending can resume: now if only the burst budget stopped us, else the pacers."""
+    def _quantum(self, urgent: bool) -> int:
+        """Tokens a paced send waits for: a whole quantum (``tx_quantum_packets``: fewer and
+        larger batches at the same rate), or one datagram while class 0 waits. Protected
+        chunks must not sit in this sender for a quantum's worth of tokens (at a per-peer share
+        of a 200 Mbit/s link, 64 jumbo datagrams take 70 ms to accrue): they leave as soon as
+        one datagram may, and the switches' priority queues, not the sender, hold them."""
+        if urgent:
+            return self.config.slot_bytes
+        return self.config.slot_bytes * self.config.tx_quantum_packets
+
+    def _wake_time(self, now: float, budget: int, peers: set[int], urgent: bool = False) -> float:
+        """When sending can resume: now if only the burst budget stopped us, else the pacers
+        (see :meth:`_quantum`)."""
         if budget <= 0:
             return now
-        slot = self.config.slot_bytes * self.config.tx_quantum_packets
+        slot = self._quantum(urgent)
         t_nic = self.nic.next_send_time(now, slot) if self.nic is not None else now
         t_peer = min(
             (

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gradlane.scheduling.priority import PriorityPolicy
 from gradlane.transport.core.collective import TransposeAllReduce
 from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, CollectiveReport
 from gradlane.transport.errors import GradlaneError, TransferFailed
 
-__all__ = ["CollectiveRequest", "CollectiveResult", "PendingCollectives"]
+__all__ = ["CollectiveRequest", "CollectiveResult", "PendingCollectives", "urgency"]
 
 CollectiveResult = tuple[np.ndarray, CollectiveReport]
 """What a collective's Future resolves to: the result (the sum over ranks) and its report."""
@@ -48,6 +49,15 @@ class CollectiveRequest:
     out: np.ndarray | None = None
     scale: float = 1.0
     pinned: bool = False
+
+
+def urgency(req: CollectiveRequest, policy: PriorityPolicy) -> tuple[bool, float]:
+    """Sort key of requests that wait to start together, most urgent first: pinned buckets,
+    then by the policy's send position (the front layers, which the next forward pass needs
+    first; ``flat``: none). A plane that finds several requests queued starts them in this
+    order (a stable sort keeps arrival order among equals), so a protected bucket submitted
+    last does not wait behind the start of every bucket submitted before it."""
+    return (not req.pinned, policy.send_position(req.layer_position))
 
 
 class PendingCollectives:

@@ -43,6 +43,7 @@ from gradlane.transport.drivers.futures import (
     CollectiveRequest,
     CollectiveResult,
     PendingCollectives,
+    urgency,
 )
 from gradlane.transport.drivers.peers import Address, Rendezvous
 from gradlane.transport.drivers.udp.sockets import RxArena, UdpPaths, new_event_loop
@@ -227,6 +228,10 @@ class UdpPlane:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._pending = PendingCollectives()
+        # Submitted requests wait here for the loop, which starts all that wait at once, most
+        # urgent first (see _start_queued); guarded by _lock.
+        self._inbox: list[tuple[concurrent.futures.Future[CollectiveResult], CollectiveRequest]]
+        self._inbox = []
         self._timer: asyncio.TimerHandle | None = None
         self._armed: float | None = None
         self._service_pending = False
@@ -382,7 +387,9 @@ class UdpPlane:
                     TransferFailed(f"engine {state}: step {step} bucket {bucket} not submitted")
                 )
                 return fut
-            loop.call_soon_threadsafe(self._start, fut, req)
+            self._inbox.append((fut, req))
+            if len(self._inbox) == 1:  # else a wakeup is already on its way
+                loop.call_soon_threadsafe(self._start_queued)
         return fut
 
     def stats(self) -> dict[str, Any]:
@@ -436,6 +443,7 @@ class UdpPlane:
         return asyncio.run_coroutine_threadsafe(run(), loop).result(CONTROL_TIMEOUT_S)
 
     async def _shutdown(self, drain_s: float) -> None:
+        self._start_queued()  # closed: fails what still waits to start
         aborted = self._pending.keys()
         self._pending.fail_all(
             lambda step, bucket: TransferFailed(
@@ -467,13 +475,24 @@ class UdpPlane:
         running = self._pending.keys() if skip is None else skip
         return bool(self._core.owed() - running)
 
-    def _start(
-        self, fut: concurrent.futures.Future[CollectiveResult], req: CollectiveRequest
-    ) -> None:
-        if self._closed:
-            fut.set_exception(TransferFailed(f"engine closed: step {req.step} bucket {req.bucket}"))
-            return
-        if self._pending.start(self._core, fut, req, time.monotonic()):
+    def _start_queued(self) -> None:
+        """Start every request waiting in the inbox, most urgent first, then one service pass
+        that sends their first datagrams (the sender's heap orders those by class and layer).
+        A protected bucket submitted while the loop was busy thus starts with the buckets
+        submitted before it, not one whole start-and-send pass behind each of them."""
+        with self._lock:
+            jobs, self._inbox = self._inbox, []
+        started = False
+        now = time.monotonic()
+        policy = self._core.endpoint.priority
+        for fut, req in sorted(jobs, key=lambda job: urgency(job[1], policy)):
+            if self._closed:
+                fut.set_exception(
+                    TransferFailed(f"engine closed: step {req.step} bucket {req.bucket}")
+                )
+            elif self._pending.start(self._core, fut, req, now):
+                started = True
+        if started:
             self._service(send_first=True)
 
     def _on_readable(self) -> None:

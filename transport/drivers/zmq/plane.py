@@ -65,6 +65,7 @@ from gradlane.transport.drivers.futures import (
     CollectiveRequest,
     CollectiveResult,
     PendingCollectives,
+    urgency,
 )
 from gradlane.transport.drivers.warmup import warm_up
 from gradlane.transport.drivers.zmq import frames as zmq_batch
@@ -525,11 +526,14 @@ class _Loop:
 
     def _start_jobs(self, now: float) -> None:
         shared = self.shared
+        jobs = []
         while True:
             try:
-                req, fut = shared.inbox.get_nowait()
+                jobs.append(shared.inbox.get_nowait())
             except queue.Empty:
-                return
+                break
+        policy = self.core.endpoint.priority
+        for req, fut in sorted(jobs, key=lambda job: urgency(job[0], policy)):
             if shared.pending.start(self.core, fut, req, now):
                 # world == 1 completes inside start(); deliver it now rather than at the next wake.
                 self._deliver_events()

@@ -1,0 +1,99 @@
+"""Send order at the sender core: what goes first, and how long a paced send waits.
+
+* ``flat`` (priority off) serves transfers in the order they started; the default policy
+  puts a front-layer bucket first (its ``send_position`` is its layer position).
+* Class 0 never waits in the sender for a whole pacing quantum: it waits for one datagram's
+  tokens, so the switches' priority queues, not the sender, hold it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gradlane.scheduling.pacing import PacingConfig
+from gradlane.scheduling.priority import PriorityConfig, make_priority_policy
+from gradlane.transport.core.events import DatagramRun
+from gradlane.transport.wire.header import HEADER_SIZE
+
+from tests.support.cores import make
+
+#: Byte of the header that holds the bucket (see test_core's use of the same offset).
+_BUCKET_BYTE = 16
+
+
+def _bucket_order(ep, now: float = 0.0) -> list[int]:
+    """Buckets of the DATA runs one sending pass hands out, in order, repeats collapsed."""
+    order: list[int] = []
+    for item in ep.datagrams_to_send(now):
+        if isinstance(item, DatagramRun):
+            hdr = np.frombuffer(item.hdr, np.uint8).reshape(-1, HEADER_SIZE)[item.chunks]
+            for b in hdr[:, _BUCKET_BYTE].tolist():
+                if not order or order[-1] != b:
+                    order.append(b)
+    return order
+
+
+@pytest.mark.parametrize(("policy", "first"), [("flat", 0), ("layer+magnitude", 1)])
+def test_flat_serves_in_start_order_and_the_default_front_layers_first(policy, first):
+    eps = make(2, chunk_bytes=256, priority=PriorityConfig(policy=policy))
+    rng = np.random.default_rng(3)
+    for bucket, pos in ((0, 0.9), (1, 0.1)):  # a back layer's bucket starts first
+        eps[0].start(1, bucket, rng.standard_normal(4000).astype(np.float32), pos, now=0.0)
+    order = _bucket_order(eps[0])
+    assert order[0] == first, order
+    if policy == "flat":  # FIFO throughout: the whole first bucket, then the second
+        assert order == [0, 1], order
+
+
+def test_send_position_is_the_layer_position_except_for_flat():
+    default = make_priority_policy(PriorityConfig())
+    flat = make_priority_policy(PriorityConfig(policy="flat"))
+    assert [default.send_position(p) for p in (0.0, 0.25, 1.0)] == [0.0, 0.25, 1.0]
+    assert [flat.send_position(p) for p in (0.0, 0.25, 1.0)] == [0.0, 0.0, 0.0]
+
+
+def _paced(**cfg):
+    """Two cores whose rank 0 sends through a slow NIC pacer (a burst of some 26 datagrams) in
+    quanta of 16 datagrams; ticks far apart, so the sender's timer is its pacing release."""
+    return make(
+        2,
+        chunk_bytes=256,
+        pacing=PacingConfig(burst_bytes=8192),
+        nic_rate_Bps=2_000_000.0,
+        tx_quantum_packets=16,
+        tick_s=0.5,
+        priority=PriorityConfig(policy="layer"),
+        **cfg,
+    )
+
+
+def test_class_0_waits_for_one_datagram_of_tokens_not_a_quantum():
+    eps = _paced()
+    sender = eps[0].endpoint.sender
+    slot, rate = eps[0].config.slot_bytes, eps[0].config.nic_rate_Bps
+    rng = np.random.default_rng(4)
+    eps[0].start(1, 0, rng.standard_normal(20_000).astype(np.float32), 0.9, now=0.0)
+    assert _bucket_order(eps[0], 0.0) == [0]  # the NIC's burst went; its tokens are spent
+    bulk_wait = sender.get_timer()
+    assert bulk_wait is not None and bulk_wait >= 15 * slot / rate  # a whole quantum
+    # A pinned (class 0) bucket arrives: the next send waits for one datagram's tokens only.
+    eps[0].start(1, 1, rng.standard_normal(2_000).astype(np.float32), 0.0, now=0.0, pinned=True)
+    assert _bucket_order(eps[0], 0.0) == []  # still no tokens at all
+    urgent_wait = sender.get_timer()
+    assert urgent_wait is not None and urgent_wait <= 2 * slot / rate < bulk_wait
+    # Once that datagram's tokens are in, class 0 goes, ahead of the bulk bucket.
+    order = _bucket_order(eps[0], urgent_wait)
+    assert order and order[0] == 1, order
+
+
+def test_without_class_0_the_quantum_still_batches_sends():
+    """The bulk path keeps its batching: tokens for less than a quantum send nothing."""
+    eps = _paced()
+    sender = eps[0].endpoint.sender
+    slot, rate = eps[0].config.slot_bytes, eps[0].config.nic_rate_Bps
+    rng = np.random.default_rng(5)
+    eps[0].start(1, 0, rng.standard_normal(20_000).astype(np.float32), 0.9, now=0.0)
+    _bucket_order(eps[0], 0.0)
+    assert _bucket_order(eps[0], 2 * slot / rate) == []  # two datagrams' tokens: wait on
+    wake = sender.get_timer()
+    assert wake is not None and wake >= 15 * slot / rate
