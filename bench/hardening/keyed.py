@@ -1,5 +1,6 @@
 """What authentication costs: the loopback all-reduce benchmark with a keyed engine beside the
-unkeyed one, run as a subprocess, and its ``summary["udp_keyed_vs_unkeyed"]["2x25"]`` read back.
+unkeyed one, run as a subprocess, and its ``summary["udp_keyed_vs_unkeyed"]["2x25@65000"]``
+read back.
 
 Where the benchmark cannot give the ratio (a flag it does not know yet, a failure, a timeout)
 the section says why instead, and the key stays absent. It is a timing ratio, so it first waits
@@ -22,8 +23,8 @@ from gradlane.bench.host import QUIET_LOAD_PER_CORE
 
 __all__ = ["KEY", "run_keyed"]
 
-#: The ratio read from the benchmark's summary: 2 ranks, 25 MB.
-KEY = "2x25"
+#: The ratio read from the benchmark's summary: 2 ranks, 25 MB, 65000-byte datagrams.
+KEY = "2x25@65000"
 #: Longest wait for the load to settle before the benchmark starts.
 SETTLE_S = 120.0
 

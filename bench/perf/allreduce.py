@@ -1,21 +1,43 @@
-"""All-reduce on loopback, one process per rank: gloo vs gradlane (UDP reliable, UDP bounded, ZMQ).
+"""All-reduce on loopback, one process per rank: gloo vs gradlane (UDP reliable, UDP bounded, ZMQ)
+and a protocol-free UDP floor.
 
 Usage::
 
-    python -m gradlane.bench.perf.allreduce --ranks 2,4 --sizes 1,25,100 --reps 5 --json out.json
+    python -m gradlane.bench.perf.allreduce --ranks 2,4 --sizes 1,25,100 --chunk-bytes 65000,8972 \
+        --reps 9 --json out.json
     python -m gradlane.bench.perf.allreduce --quick --json /tmp/ar.json  # 2 ranks, 1 and 25 MB
     python -m gradlane.bench.perf.allreduce --daemon --json bench/results/allreduce_daemon.json
     python -m gradlane.bench.perf.allreduce --chunk-bytes 1408 --offload-compare --no-zmq --sizes 25
     python -m gradlane.bench.perf.allreduce --zmq-batch-compare --sizes 25 --reps 9
     python -m gradlane.bench.perf.allreduce --keyed-compare --no-zmq --ranks 2 --sizes 25 --reps 9
 
-``--chunk-bytes`` sets the UDP datagrams' payload (65000 by default, loopback's largest; 1408
-is what a 1500-byte MTU carries, 8192 a jumbo frame's), and ``--offload-compare`` adds the
-reliable UDP engine with UDP GRO off (``udp_gso_only``) and with both GSO and GRO off
-(``udp_no_offload``), interleaved with the others: with MTU-sized datagrams, GSO (one message
-per run of equal-sized datagrams sent) and GRO (one per run received) are what keep the
-kernel's per-datagram cost off the path; ``summary.gso_only_vs_offload`` and
-``summary.no_offload_vs_offload`` give the ratios to the default engine (both on).
+``--chunk-bytes`` sets the UDP datagrams' payload, a comma-separated list (65000 by default,
+loopback's largest; 1408 is what a 1500-byte MTU carries, 8972 a 9000-byte one's): every rank
+builds the UDP engines, and the floor, once per payload size, and each repetition runs them all
+(gloo first, then per size the engines and the floor; ZeroMQ or the daemon once).
+
+The floor (``udp_floor``) is ``gradlane.bench.perf.udp_floor``'s batched exchange: the same
+transpose all-reduce (reduce-scatter by all-to-all, then all-gather) over one UDP socket per
+rank and payload size, with no protocol at all (no acknowledgements, retransmission, pacing,
+paths or integrity tags): ``sendmmsg`` tables with UDP GSO as the engine uses it, ``recvmmsg``
+(with UDP GRO for datagrams of at most 4 KB, as the engine), one compiled pass adding or
+copying the rows; the same float32 elements per datagram as the engine's. What the engine
+costs beyond it is its protocol's cost: ``summary.udp_reliable_vs_floor``, next to
+``floor_vs_gloo`` and ``udp_reliable_vs_gloo``, all from the same run. Its result is checked
+against gloo's like the reliable engines'; it has no loss recovery, so a lost datagram (5 s
+without it) fails the run.
+
+The summary's maps are keyed ``"<ranks>x<MB>@<chunk bytes>"`` for the UDP engines and the
+floor (``"4x25@8972"``) and ``"<ranks>x<MB>"`` for gloo, ZeroMQ and the daemon; each row
+gives its ``chunk_bytes`` (None for those without UDP datagrams). The report's code (rows,
+summary, table) is in ``gradlane.bench.perf.allreduce_report``.
+
+``--offload-compare`` adds the reliable UDP engine with UDP GRO off (``udp_gso_only``) and
+with both GSO and GRO off (``udp_no_offload``), interleaved with the others: with MTU-sized
+datagrams, GSO (one message per run of equal-sized datagrams sent) and GRO (one per run
+received) are what keep the kernel's per-datagram cost off the path;
+``summary.gso_only_vs_offload`` and ``summary.no_offload_vs_offload`` give the ratios to the
+default engine (both on).
 
 ``--zmq-batch-compare`` adds a second ZeroMQ plane that sends one packet per frame
 (``zmq_unbatched``, ``batch_bytes=0``) next to the default one, which packs each run into
@@ -32,17 +54,19 @@ what the order costs.
 all-reduce: two "hosts" of two ranks, one ``gradlane daemon`` process per host (host h on
 127.0.0.(h+1), one path each), every rank submitting through its host's daemon (shared memory,
 local sum, the inter-host all-reduce among the daemons); against the embedded reliable UDP
-engine in the same rank processes, interleaved. The JSON summary gets ``daemon_vs_embedded``.
+engine in the same rank processes, interleaved. The JSON summary gets ``daemon_vs_embedded``
+(against the embedded engine at each payload size; a row's ``ratio_to_embedded`` is the first's).
 
 For each rank count the parent spawns one process per rank. Rank 0 hosts a ``TCPStore`` on
 127.0.0.1 (a free port); the gloo group is built on it and the same store carries every rank's
-bound gradlane addresses (UDP: 127.0.0.1 and 127.0.0.2 as two paths; ZeroMQ: a tcp:// endpoint per
-path). Each repetition runs every transport on a fresh copy of the same float32 buffer, reduced in
-place as gloo's ``all_reduce`` does (``submit(..., out=buf)``), with a barrier before each
-call; each rank times its own call and the step time is the max over ranks (a gloo MAX
-all-reduce of the times). The first repetition of every (transport, size) checks the result
-against gloo's: the reliable modes must match within float tolerance or the run fails; the
-bounded mode's delivered fraction and error are reported.
+bound gradlane addresses (UDP: 127.0.0.1 and 127.0.0.2 as two paths; the floor: one socket on
+127.0.0.1; ZeroMQ: a tcp:// endpoint per path). Each repetition runs every transport on a fresh
+copy of the same float32 buffer, reduced in place as gloo's ``all_reduce`` does
+(``submit(..., out=buf)``), with a barrier before each call; each rank times its own call and
+the step time is the max over ranks (a gloo MAX all-reduce of the times). The first repetition
+of every (transport, size) checks the result against gloo's: the reliable modes and the floor
+must match within float tolerance or the run fails; the bounded mode's delivered fraction and
+error are reported.
 
 Each call's CPU time is measured too (user + system of the rank's process across the call,
 ``getrusage``, summed over ranks): on a small shared machine wall times swing from run to
@@ -61,7 +85,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import queue
@@ -75,31 +98,16 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from gradlane.bench.host import HostWatch
+from gradlane.bench.perf.allreduce_report import OFFLOAD_VARIANTS, summarize, table
 
 MB = 1 << 20
-TRANSPORTS = (
-    "gloo", "udp_reliable", "udp_keyed", "udp_ordered", "udp_gso_only", "udp_no_offload",
-    "udp_bounded", "zmq", "zmq_unbatched", "daemon",
-)  # fmt: skip
 #: ``--keyed-compare``: the job secret of the keyed engine (the same on every rank).
 KEYED_SECRET = "gradlane-bench-keyed"
-#: ``--offload-compare``: the reliable engine again with UDP GRO off, and with GSO and GRO off.
-OFFLOAD_VARIANTS = {"udp_gso_only": (True, False), "udp_no_offload": (False, False)}
-SUMMARY_KEYS = {
-    "udp_reliable": "udp_reliable_vs_gloo",
-    "udp_keyed": "udp_keyed_vs_gloo",
-    "udp_ordered": "udp_ordered_vs_gloo",
-    "udp_gso_only": "udp_gso_only_vs_gloo",
-    "udp_no_offload": "udp_no_offload_vs_gloo",
-    "udp_bounded": "udp_bounded_vs_gloo",
-    "zmq": "zmq_vs_gloo",
-    "zmq_unbatched": "zmq_unbatched_vs_gloo",
-    "daemon": "daemon_vs_gloo",
-}
 #: Daemon mode: hosts (daemons) and the job token they serve.
 HOSTS = 2
 DAEMON_JOB = 4242
@@ -141,8 +149,92 @@ def _udp_config(
     )
 
 
+@dataclass(frozen=True)
+class _FloorReport:
+    """What the floor's result reports in place of a ``CollectiveReport``: it either has every
+    datagram or fails."""
+
+    delivered_fraction: float = 1.0
+    degraded: bool = False
+
+
+class _FloorPlane:
+    """The protocol-free UDP floor (``udp_floor._MmsgFloor``) behind the calls the timed loop
+    makes of gradlane's planes (``start``, ``set_peers``, ``submit``, ``drain``, ``close``).
+
+    One socket per datagram size (``chunk_bytes`` of payload, as the engine's), one floor per
+    buffer size. The step is the repetition number, the same on every rank. ``submit`` runs
+    the exchange on the caller's thread and returns a done Future. The floor has no loss
+    recovery: a datagram that never comes (5 s) fails the call, and with it the run."""
+
+    def __init__(self, rank: int, world: int, chunk_bytes: int) -> None:
+        from gradlane.bench.perf.udp_floor import floor_socket
+
+        self.rank, self.world, self.chunk_bytes = rank, world, chunk_bytes
+        self.sock = floor_socket()
+        self._floors: dict[int, Any] = {}  # buffer length -> _MmsgFloor
+        self._ports: list[int] = []
+
+    def start(self) -> list[tuple[str, int]]:
+        """The address peers send to (one path)."""
+        host, port = self.sock.getsockname()[:2]
+        return [(host, int(port))]
+
+    def set_peers(self, rendezvous: Any) -> None:
+        """Every rank's address, from the same table the engines take (first path)."""
+        self._ports = [int(rendezvous.addresses(r)[0][1]) for r in range(self.world)]
+
+    def submit(
+        self, step: int, bucket: int, data: np.ndarray, out: np.ndarray | None = None
+    ) -> Any:
+        """All-reduce ``data`` (into ``out``, which may be ``data``) as repetition ``step``: a
+        done Future of ``(result, report)``."""
+        from concurrent.futures import Future
+
+        from gradlane.bench.perf.udp_floor import _MmsgFloor
+
+        buf = data.copy() if out is None else out
+        if out is not None and out is not data:
+            buf[:] = data
+        n = buf.shape[0]
+        floor = self._floors.get(n)
+        if floor is None:
+            bounds = np.linspace(0, n, self.world + 1).astype(np.int64)
+            floor = self._floors[n] = _MmsgFloor(
+                self.sock, self._ports, self.rank, bounds, self.chunk_bytes
+            )
+        if not floor.exchange(buf, step):
+            raise TimeoutError(
+                f"rank {self.rank}: udp_floor ({self.chunk_bytes}-byte payloads) lost a "
+                f"datagram at step {step} (bucket {bucket}, {n} floats): the protocol-free floor "
+                "has no loss recovery, so the run stops; loopback loses only when the socket "
+                "buffers overflow (a loaded machine): run again on a quieter one"
+            )
+        fut: Future[Any] = Future()
+        fut.set_result((buf, _FloorReport()))
+        return fut
+
+    @property
+    def offloads(self) -> dict[str, bool]:
+        """Whether the floors use UDP GSO and GRO (all of them, on this rank)."""
+        floors = list(self._floors.values())
+        return {
+            "gso": bool(floors) and all(f.gso for f in floors),
+            "gro": bool(floors) and all(f.gro for f in floors),
+        }
+
+    def drain(self, timeout_s: float = 2.0) -> bool:
+        """Nothing to drain: every exchange returns complete."""
+        return True
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.sock.close()
+
+
 def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: Any) -> None:
-    """One rank: gloo group + two UDP engines + a ZeroMQ plane, then the timed loop."""
+    """One rank: gloo group, per datagram size the UDP engines and the floor, a ZeroMQ plane
+    (or a daemon's client), then the timed loop."""
     import torch
     import torch.distributed as dist
     from gradlane.transport.drivers.peers import StaticPeers
@@ -154,7 +246,8 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     closers: list[Any] = []
     try:
-        engines: dict[str, Any] = {}
+        # (transport, datagram payload; None for the transports without UDP datagrams)
+        engines: dict[tuple[str, int | None], Any] = {}
         kinds: list[tuple[str, float, bool, bool, dict[str, Any]]] = [
             ("udp_reliable", 0.0, True, True, {})
         ]
@@ -166,14 +259,19 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
             kinds += [(name, 0.0, *flags, {}) for name, flags in OFFLOAD_VARIANTS.items()]
         if not args["daemon"]:
             kinds.append(("udp_bounded", args["loss_bound"], True, True, {}))
-        for name, bound, gso, gro, extra in kinds:
-            cfg = _udp_config(bound, args["chunk_bytes"], gso, gro, args["seed"], **extra)
-            loss = args["inject_loss"]
-            tap = InjectedLoss(loss, seed=args["seed"]) if loss else None
-            e = UdpPlane(rank, world, cfg, rx_tap=tap)
-            closers.append(e)
-            store.set(f"gl/{name}/{rank}", json.dumps(e.start()))
-            engines[name] = e
+        for chunk in args["chunk_bytes"]:
+            for name, bound, gso, gro, extra in kinds:
+                cfg = _udp_config(bound, chunk, gso, gro, args["seed"], **extra)
+                loss = args["inject_loss"]
+                tap = InjectedLoss(loss, seed=args["seed"]) if loss else None
+                e = UdpPlane(rank, world, cfg, rx_tap=tap)
+                closers.append(e)
+                store.set(f"gl/{name}@{chunk}/{rank}", json.dumps(e.start()))
+                engines[name, chunk] = e
+            floor = _FloorPlane(rank, world, chunk)
+            closers.append(floor)
+            store.set(f"gl/udp_floor@{chunk}/{rank}", json.dumps(floor.start()))
+            engines["udp_floor", chunk] = floor
         zmq_eps = [
             f"tcp://127.0.0.{1 + p}:{_free_port(f'127.0.0.{1 + p}')}" for p in range(N_PATHS)
         ]
@@ -183,11 +281,12 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
                 f"tcp://127.0.0.{1 + p}:{_free_port(f'127.0.0.{1 + p}')}" for p in range(N_PATHS)
             ]
             store.set(f"gl/zmq1/{rank}", json.dumps(zmq_eps))
-        for name, e in engines.items():
-            table = {
-                r: [tuple(a) for a in json.loads(store.get(f"gl/{name}/{r}"))] for r in range(world)
+        for (name, chunk), e in engines.items():
+            peers = {
+                r: [tuple(a) for a in json.loads(store.get(f"gl/{name}@{chunk}/{r}"))]
+                for r in range(world)
             }
-            e.set_peers(StaticPeers(table))
+            e.set_peers(StaticPeers(peers))
         if args["daemon"]:
             from gradlane.transport.daemon.client import DaemonPlane
 
@@ -202,18 +301,19 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
                 request_timeout_s=HARD_DEADLINE_S * 2,
             )
             closers.append(client)
-            engines["daemon"] = client.start()
+            engines["daemon", None] = client.start()
         elif args["zmq"]:
             eps = [json.loads(store.get(f"gl/zmq/{r}")) for r in range(world)]
             plane = ZmqPlane(rank, world, zmq_config(n_paths=N_PATHS), eps)
             closers.append(plane)
-            engines["zmq"] = plane.start()
+            engines["zmq", None] = plane.start()
             if args["zmq_batch_compare"]:
                 eps = [json.loads(store.get(f"gl/zmq1/{r}")) for r in range(world)]
                 plane = ZmqPlane(rank, world, zmq_config(n_paths=N_PATHS), eps, batch_bytes=0)
                 closers.append(plane)
-                engines["zmq_unbatched"] = plane.start()
+                engines["zmq_unbatched", None] = plane.start()
         out = _timed_loop(rank, world, engines, args, dist, torch)
+        out["offloads"] = {k: e.offloads for k, e in engines.items() if isinstance(e, _FloorPlane)}
         for e in engines.values():  # peers have what this rank sent, while every engine answers
             e.drain()
         dist.barrier()
@@ -236,14 +336,21 @@ def _td(seconds: float) -> Any:
 
 
 def _timed_loop(
-    rank: int, world: int, engines: dict[str, Any], args: dict[str, Any], dist: Any, torch: Any
+    rank: int,
+    world: int,
+    engines: dict[tuple[str, int | None], Any],
+    args: dict[str, Any],
+    dist: Any,
+    torch: Any,
 ) -> dict[str, Any]:
-    """Interleave the transports per repetition; times are the max over ranks."""
-    transports = ["gloo", *engines]
-    times: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
+    """Interleave the transports per repetition, gloo first; times are the max over ranks.
+    Everything is keyed by ``(transport, chunk bytes)``, as ``engines`` is."""
+    gloo = ("gloo", None)
+    transports = [gloo, *engines]
+    times: dict[Any, dict[float, list[float]]] = {t: {} for t in transports}
     # Per call: (user, system) CPU seconds of this rank's process.
-    cpu: dict[str, dict[int, list[tuple[float, float]]]] = {t: {} for t in transports}
-    checks: dict[str, dict[int, Any]] = {t: {} for t in transports if t != "gloo"}
+    cpu: dict[Any, dict[float, list[tuple[float, float]]]] = {t: {} for t in transports}
+    checks: dict[Any, dict[float, Any]] = {t: {} for t in transports if t != gloo}
     # One untimed round first: numba loads its cached kernels and the engines their first
     # buffers on the first call, which would otherwise be the first repetition's outlier.
     warm = np.ones(MB // 4, dtype=np.float32)
@@ -263,7 +370,7 @@ def _timed_loop(
             mine, spent = [], []
             gloo_result = None
             for t in transports:
-                if t == "gloo":
+                if t == gloo:
                     buf = torch.from_numpy(data.copy())
                     dist.barrier()
                     c0, t0 = _cpu_s(), time.perf_counter()
@@ -280,7 +387,7 @@ def _timed_loop(
                 spent.extend(_cpu_s() - c0)
                 if rep == 0:
                     assert gloo_result is not None  # gloo runs first in every repetition
-                    checks[t][mb] = _check(t, rank, mb, res, report, gloo_result)
+                    checks[t][mb] = _check(*t, rank, mb, res, report, gloo_result)
             # The step time of a collective is its slowest rank's; its CPU, every rank's.
             tt = torch.tensor(mine, dtype=torch.float64)
             dist.all_reduce(tt, op=dist.ReduceOp.MAX)
@@ -315,9 +422,10 @@ def _cpu_s() -> np.ndarray:
 
 
 def _check(
-    t: str, rank: int, mb: float, res: np.ndarray, report: Any, ref: np.ndarray
+    t: str, chunk: int | None, rank: int, mb: float, res: np.ndarray, report: Any, ref: np.ndarray
 ) -> dict[str, Any]:
-    """Compare one gradlane result with gloo's; reliable transports must agree."""
+    """Compare one result (of transport ``t`` with ``chunk``-byte payloads) with gloo's; all
+    but the bounded engine must agree."""
     err = np.abs(res.astype(np.float64) - ref)
     scale = float(np.sqrt(np.mean(ref.astype(np.float64) ** 2))) or 1.0
     out = {
@@ -330,8 +438,9 @@ def _check(
     if t == "udp_bounded":
         out["ok"] = True  # bounded loss may differ by design; reported, not enforced
     elif not out["ok"]:
+        sized = "" if chunk is None else f" ({chunk}-byte payloads)"
         raise AssertionError(
-            f"rank {rank}: {t} all-reduce of {mb} MB differs from gloo's: max abs error "
+            f"rank {rank}: {t}{sized} all-reduce of {mb} MB differs from gloo's: max abs error "
             f"{out['max_abs_err']:.3g}, relative rms {out['rms_err_rel']:.3g}"
         )
     return out
@@ -455,108 +564,6 @@ def _wait_for_result(results: Any, procs: list[Any], deadline: float, world: int
             raise TimeoutError(f"{world} ranks: no result within {limit}s")
 
 
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q))
-
-
-def summarize(per_world: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Rows per (transport, ranks, MB) with median/p99 and the ratio to gloo; the summary maps."""
-    rows: list[dict[str, Any]] = []
-    summary: dict[str, dict[str, float]] = {k: {} for k in SUMMARY_KEYS.values()}
-    summary["daemon_vs_embedded"] = {}
-    for world, out in per_world.items():
-        times, cpu = out["times"], out["cpu"]
-        for t, by_mb in times.items():
-            for mb_key, xs in by_mb.items():
-                mb = float(mb_key)
-                gloo = float(np.median(times["gloo"][mb_key]))
-                med = float(np.median(xs))
-                cs = cpu[t][mb_key]
-                row = {
-                    "transport": t,
-                    "ranks": world,
-                    "MB": mb,
-                    "median_s": med,
-                    "p99_s": _pct(xs, 99),
-                    "times_s": [float(x) for x in xs],  # every repetition, in run order
-                    "reps": len(xs),
-                    "ratio_to_gloo": med / gloo if gloo > 0 else math.nan,
-                    "gbps": mb * MB * 8 / med / 1e9 if med > 0 else math.nan,
-                }
-                if cs and t != "daemon":
-                    cpu_gloo = float(np.median(np.sum(cpu["gloo"][mb_key], axis=1)))
-                    split = np.asarray(cs, dtype=float)
-                    row["cpu_median_s"] = float(np.median(split.sum(axis=1)))
-                    row["cpu_user_median_s"] = float(np.median(split[:, 0]))
-                    row["cpu_sys_median_s"] = float(np.median(split[:, 1]))
-                    row["cpu_ratio_to_gloo"] = (
-                        row["cpu_median_s"] / cpu_gloo if cpu_gloo > 0 else math.nan
-                    )
-                    if t != "gloo":
-                        key = f"{SUMMARY_KEYS[t].removesuffix('_vs_gloo')}_cpu_vs_gloo"
-                        summary.setdefault(key, {})[f"{world}x{mb:g}"] = row["cpu_ratio_to_gloo"]
-                if t != "gloo":
-                    row["check"] = out["checks"][t][mb_key]
-                    summary[SUMMARY_KEYS[t]][f"{world}x{mb:g}"] = row["ratio_to_gloo"]
-                if t == "daemon":
-                    emb = float(np.median(times["udp_reliable"][mb_key]))
-                    row["ratio_to_embedded"] = med / emb
-                    summary["daemon_vs_embedded"][f"{world}x{mb:g}"] = med / emb
-                if t == "udp_keyed":  # the same engine with a job secret, against it
-                    plain = float(np.median(times["udp_reliable"][mb_key]))
-                    row["ratio_to_unkeyed"] = med / plain
-                    summary.setdefault("udp_keyed_vs_unkeyed", {})[f"{world}x{mb:g}"] = med / plain
-                if t == "udp_ordered":  # deterministic sums against the default (arrival order)
-                    plain = float(np.median(times["udp_reliable"][mb_key]))
-                    row["ratio_to_unordered"] = med / plain
-                    summary.setdefault("udp_ordered_vs_unordered", {})[f"{world}x{mb:g}"] = (
-                        med / plain
-                    )
-                if t in OFFLOAD_VARIANTS:  # the same engine without (some) offloads, against it
-                    full = float(np.median(times["udp_reliable"][mb_key]))
-                    row["ratio_to_offload"] = med / full
-                    key = f"{t.removeprefix('udp_')}_vs_offload"
-                    summary.setdefault(key, {})[f"{world}x{mb:g}"] = med / full
-                if t == "zmq_unbatched":  # one packet per frame, against batch frames
-                    batched = float(np.median(times["zmq"][mb_key]))
-                    row["ratio_to_batched"] = med / batched
-                    summary.setdefault("zmq_unbatched_vs_zmq", {})[f"{world}x{mb:g}"] = (
-                        med / batched
-                    )
-                rows.append(row)
-    return {"rows": rows, "summary": summary}
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a fixed-width text table."""
-    head = (
-        f"{'transport':<14}{'ranks':>6}{'MB':>7}{'median ms':>12}{'p99 ms':>10}{'x gloo':>9}"
-        f"{'Gb/s':>8}{'cpu ms':>9}{'user':>7}{'sys':>7}{'cpu x':>7}  check"
-    )
-    lines = [head, "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r["ranks"], r["MB"], TRANSPORTS.index(r["transport"]))):
-        c = r.get("check")
-        check = (
-            ""
-            if c is None
-            else (
-                f"{'ok' if c['ok_all_ranks'] else 'MISMATCH'}"
-                f" delivered(min rank)={c['delivered_fraction_min_rank']:.4f}"
-                f" rms_rel={c['rms_err_rel']:.1e}"
-            )
-        )
-        cpu_ms = r.get("cpu_median_s", math.nan) * 1e3
-        cpu_x = r.get("cpu_ratio_to_gloo", math.nan)
-        user_ms = r.get("cpu_user_median_s", math.nan) * 1e3
-        sys_ms = r.get("cpu_sys_median_s", math.nan) * 1e3
-        lines.append(
-            f"{r['transport']:<14}{r['ranks']:>6}{r['MB']:>7g}{r['median_s'] * 1e3:>12.1f}"
-            f"{r['p99_s'] * 1e3:>10.1f}{r['ratio_to_gloo']:>9.2f}{r['gbps']:>8.2f}"
-            f"{cpu_ms:>9.1f}{user_ms:>7.1f}{sys_ms:>7.1f}{cpu_x:>7.2f}  {check}"
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m gradlane.bench.perf.allreduce", description=__doc__.split("\n")[0]
@@ -571,9 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--chunk-bytes",
-        type=int,
-        default=65000,
-        help="payload per UDP datagram (default 65000, loopback's largest; 1408 is MTU 1500's)",
+        default="65000",
+        help="comma-separated payloads per UDP datagram, each run by the UDP engines and the "
+        "floor (default 65000, loopback's largest; 1408 is MTU 1500's, 8972 MTU 9000's)",
     )
     ap.add_argument(
         "--offload-compare",
@@ -602,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="the UDP engines drop this fraction of the datagrams they receive (seeded by "
-        "--seed and the rank; gloo and ZeroMQ stay lossless): loss recovery's cost",
+        "--seed and the rank; gloo, ZeroMQ and the floor stay lossless): loss recovery's cost",
     )
     ap.add_argument(
         "--loss-bound", type=float, default=0.02, help="udp_bounded's loss bound (default 0.02)"
@@ -620,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.ranks = "4"
     ranks = [int(x) for x in ns.ranks.split(",")]
     sizes = [float(x) for x in ns.sizes.split(",")]
+    chunks = list(dict.fromkeys(int(x) for x in ns.chunk_bytes.split(",")))
     if ns.reps < 1 or any(r < 2 for r in ranks) or any(s <= 0 for s in sizes):
         ap.error("need --reps >= 1, rank counts >= 2 and positive sizes")
     if ns.daemon and any(r % HOSTS for r in ranks):
@@ -628,12 +636,13 @@ def main(argv: list[str] | None = None) -> int:
     from gradlane.transport.errors import ConfigError
 
     try:  # the configs' own checks, here rather than in every rank process
-        _udp_config(ns.loss_bound, ns.chunk_bytes)
+        for chunk in chunks:  # the engine's bounds are within the floor's
+            _udp_config(ns.loss_bound, chunk)
         InjectedLoss(ns.inject_loss)
     except ConfigError as e:
         ap.error(f"--chunk-bytes, --loss-bound or --inject-loss: {e}")
     args = {"sizes": sizes, "reps": ns.reps, "timeout": ns.timeout, "seed": ns.seed,
-            "zmq": not ns.no_zmq, "daemon": ns.daemon, "chunk_bytes": ns.chunk_bytes,
+            "zmq": not ns.no_zmq, "daemon": ns.daemon, "chunk_bytes": chunks,
             "inject_loss": ns.inject_loss, "loss_bound": ns.loss_bound,
             "offload_compare": ns.offload_compare, "keyed_compare": ns.keyed_compare,
             "order_compare": ns.order_compare,
@@ -650,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios = ", ".join(
             f"{k}: {v:.2f}" for k, v in report["summary"]["daemon_vs_embedded"].items()
         )
-        print(f"daemon mode / embedded engine (ranks x MB): {ratios}")
+        print(f"daemon mode / embedded engine (ranks x MB @ chunk bytes): {ratios}")
     if ns.json:
         doc = {
             "config": {

@@ -7,17 +7,24 @@ Usage::
 Each rank runs the same transpose all-reduce as gradlane (reduce-scatter by direct all-to-all,
 then all-gather) over one raw UDP socket on loopback, with nothing of a transport around it: no
 acknowledgements, retransmissions, priorities, paths, pacing or integrity tags — ``sendmsg`` of a
-16-byte header and a view of the buffer, ``recv_into`` and a numpy add or copy per 64 KB
-datagram. It is what the interpreter and the kernel cost by themselves, so it bounds what any
-Python transport can reach here; gradlane's own all-reduce (``gradlane.bench.perf.allreduce``) adds
-its protocol on top.
+16-byte header and a view of the buffer, ``recv_into`` and a numpy add or copy per datagram
+(65000 bytes by default). It is what the interpreter and the kernel cost by themselves, so it
+bounds what any Python transport can reach here; gradlane's own all-reduce
+(``gradlane.bench.perf.allreduce``) adds its protocol on top.
 
 A second floor, ``udp_floor_mmsg``, is the same exchange the way gradlane's engine moves bytes:
-``sendmmsg`` of up to 16 datagrams per call (header and buffer view gathered by the kernel, no
-copy in user space), ``recvmmsg`` of up to 64 into rows, and one compiled pass per batch that
-adds or copies the rows into the buffer. Python is left with a few calls per batch, so this
-floor is close to what the kernel's copies and the sums cost by themselves: a transport that is
-slower than gloo where even this floor is has no room left for any protocol.
+``sendmmsg`` of up to 16 messages per call (header and buffer view gathered by the kernel, no
+copy in user space), ``recvmmsg`` of up to 64 datagrams into rows, and one compiled pass per
+batch that adds or copies the rows into the buffer. It uses the kernel's offloads as the engine
+does: UDP GSO (a peer's equal-sized datagrams share messages, up to 64 datagrams and 65507
+bytes each) where the kernel has it, and UDP GRO on receive for datagrams of at most 4 KB.
+Python is left with a few calls per batch, so this floor is close to what the kernel's copies
+and the sums cost by themselves: a transport that is slower than gloo where even this floor is
+has no room left for any protocol. ``gradlane.bench.perf.allreduce`` runs this floor too,
+interleaved with gloo and gradlane's engine at the same datagram sizes.
+
+``--chunk-bytes`` sets the payload per datagram (a multiple of 4; 64984 by default, which makes
+65000-byte datagrams with the 16-byte header); ``--no-gso`` sends one datagram per message.
 
 gloo's ``all_reduce`` runs in the same processes, interleaved, timed the same
 way (a gloo barrier, then the slowest rank's time). Each call's user and system CPU time is
@@ -32,25 +39,44 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import logging
 import resource
 import select
 import socket
 import struct
 import sys
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 from numba import njit
 
+log = logging.getLogger(__name__)
+
 MB = 1 << 20
 DATAGRAM = 65000
 HDR = struct.Struct("<IIII")  # repetition, phase, element offset, element count
 HDR_BYTES = 16  # HDR.size, as a constant compiled code can read
 assert HDR.size == HDR_BYTES
+#: Payload per datagram by default: whole datagrams of ``DATAGRAM`` bytes.
+CHUNK_BYTES = DATAGRAM - HDR_BYTES
+#: Largest payload per datagram: a UDP datagram's largest over IPv4, less the header.
+MAX_CHUNK_BYTES = 65507 - HDR_BYTES
 TIMEOUT_S = 5.0
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    """``chunk_bytes`` if it is a payload the floors can carry (whole float32 elements, from 4
+    bytes to ``MAX_CHUNK_BYTES``); ValueError otherwise."""
+    if chunk_bytes % 4 or not 4 <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(
+            f"chunk_bytes={chunk_bytes}: use a multiple of 4 between 4 and {MAX_CHUNK_BYTES}"
+        )
+    return chunk_bytes
 
 
 def _exchange(
@@ -60,12 +86,14 @@ def _exchange(
     buf: np.ndarray,
     bounds: np.ndarray,
     rep: int,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> bool:
-    """One all-reduce of ``buf`` in place; False if a datagram never came (timed out)."""
+    """One all-reduce of ``buf`` in place, ``chunk_bytes`` of payload per datagram; False if a
+    datagram never came (timed out)."""
     world = len(ports)
-    el = (DATAGRAM - HDR.size) // 4
+    el = check_chunk_bytes(chunk_bytes) // 4
     raw = memoryview(buf.data).cast("B")
-    rbuf = bytearray(DATAGRAM + HDR.size)
+    rbuf = bytearray(HDR.size + chunk_bytes)
     rview = memoryview(rbuf)
     hdr = bytearray(HDR.size)
     lo, hi = int(bounds[me]), int(bounds[me + 1])
@@ -116,8 +144,18 @@ def _exchange(
     return True
 
 
-BATCH_SEND = 16  # datagrams per sendmmsg call (destinations alternate call by call)
+BATCH_SEND = 16  # messages per sendmmsg call (destinations alternate call by call)
 BATCH_RECV = 64  # datagrams per recvmmsg call
+#: Receive with UDP GRO only for datagrams of at most this many bytes (the engine's threshold,
+#: ``gradlane.transport.drivers.udp.sockets.GRO_MAX_ROW``: beyond it the split's copy costs
+#: more than the kernel saves).
+GRO_MAX_DATAGRAM = 4096
+#: What a kernel answers a GSO send it cannot do (the engine's adapter reads the same errors).
+_GSO_REFUSED = (errno.EINVAL, errno.EIO, errno.EMSGSIZE, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
+#: Sockets whose kernel refused a GSO send: every floor on them sends without GSO.
+_NO_GSO: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+#: Datagrams kept for a later repetition (a DDP hook's next bucket), by repetition.
+Stash = dict[int, list[np.ndarray]]
 
 
 def floor_socket() -> socket.socket:
@@ -168,38 +206,69 @@ def _apply_rows(
 
 class _MmsgFloor:
     """The batched floor's tables for one buffer size: a ``SendBatch`` with one "path" per
-    peer (so each path's messages name that peer), the header rows, and the receive rows."""
+    peer (so each path's messages name that peer), the header rows, and the receive rows.
 
-    def __init__(self, sock: socket.socket, ports: list[int], me: int, bounds: np.ndarray) -> None:
+    ``chunk_bytes``: payload per datagram, ``chunk_bytes // 4`` float32 elements after the
+    16-byte header (the engine's ``chunk_bytes`` means the same); the default makes 65000-byte
+    datagrams. The kernel's offloads as the engine's UDP adapter uses them: with ``gso`` and a
+    kernel that has UDP GSO, a peer's equal-sized datagrams of a phase share GSO messages (up
+    to 64 datagrams and 65507 bytes each; 65000-byte ones go one per message either way); a
+    GSO send the kernel refuses turns GSO off for the socket, and the rest of the phase is laid
+    out again without it. With ``gro``, datagrams of at most ``GRO_MAX_DATAGRAM`` bytes are
+    received with UDP GRO (a coalesced run per message, split into the rows). :attr:`gso` and
+    :attr:`gro` say what is in use. A socket carries one datagram size: GRO, once asked for,
+    stays on for the socket, and would cut a larger size's coalesced runs.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        ports: list[int],
+        me: int,
+        bounds: np.ndarray,
+        chunk_bytes: int = CHUNK_BYTES,
+        gso: bool = True,
+        gro: bool = True,
+    ) -> None:
         from gradlane.transport.drivers.udp import mmsg as _mmsg
 
         self.sock, self.me, self.bounds, self.world = sock, me, bounds, len(ports)
-        self.el = (DATAGRAM - HDR.size) // 4
-        self.rows = np.zeros((BATCH_RECV, HDR.size + DATAGRAM), dtype=np.uint8)
+        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        self.el = chunk_bytes // 4
+        self.rows = np.zeros((BATCH_RECV, HDR.size + chunk_bytes), dtype=np.uint8)
         self.words = self.rows.view(np.uint32)
         self.floats = self.rows.view(np.float32)
+        self.lengths = np.zeros(BATCH_RECV, dtype=np.int64)
         self.table = _mmsg.RecvTable(self.rows)
+        small = HDR.size + chunk_bytes <= GRO_MAX_DATAGRAM
+        self.gro = gro and small and _mmsg.AVAILABLE and _mmsg.gro_enable(sock)
+        self.gro_table = _mmsg.GroTable() if self.gro else None
+        self.gso = gso and sock not in _NO_GSO and _mmsg.gso_supported(sock)
         addrs = [_mmsg.sockaddr(("127.0.0.1", p)) for p in ports]
         tos = [_mmsg.tos_cmsg(0, False) for _ in ports]
         self._keep = addrs + tos  # the send table points into them
         self.names = np.array([(a.ctypes.data, a.shape[0]) for a in addrs], dtype=np.uint64)
         self.controls = np.array([(c.ctypes.data, c.shape[0]) for c in tos], dtype=np.uint64)
+        self.gso_controls = np.stack([_mmsg.gso_control(0, False) for _ in ports])
         self.batch = _mmsg.SendBatch(self.world)
         self.got = np.zeros(2, dtype=np.int64)
         self.early = np.zeros(BATCH_RECV, dtype=np.bool_)
 
-    def _lay_out(self, phase: int, rep: int, buf: np.ndarray) -> np.ndarray:
-        """Every datagram of ``phase`` in the send table; returns the rows per peer."""
+    def _lay_out(self, phase: int, rep: int, buf: np.ndarray, skip: np.ndarray) -> np.ndarray:
+        """Every datagram of ``phase`` in the send table but the first ``skip[j]`` to each peer
+        ``j`` (already sent); returns the rows (messages) per peer."""
         from gradlane.transport.drivers.udp.mmsg import RunRows
 
         b, me, el = self.bounds, self.me, self.el
         self.batch.clear()
+        self.batch.gso[:] = self.gso
+        gso_controls = self.gso_controls if self.gso else None
         plan = []
         for j in range(self.world):
             if j == me:
                 continue
             lo, hi = (int(b[j]), int(b[j + 1])) if phase == 0 else (int(b[me]), int(b[me + 1]))
-            offs = np.arange(lo, hi, el, dtype=np.int64)
+            offs = np.arange(lo, hi, el, dtype=np.int64)[int(skip[j]) :]
             plan.append((j, offs, np.minimum(offs + el, hi) - offs))
         n = sum(len(offs) for _, offs, _ in plan)
         self.hdrs = np.zeros((max(n, 1), 4), dtype=np.uint32)
@@ -218,13 +287,53 @@ class _MmsgFloor:
                 4 * cnts,
                 np.full(k, j, dtype=np.int64),
             )
-            self.batch.append(j, rows, self.names, self.controls)
+            self.batch.append(j, rows, self.names, self.controls, gso_controls)
             at += k
         return self.batch.fill.copy()
 
-    def exchange(
-        self, buf: np.ndarray, rep: int, stash: dict[int, list[np.ndarray]] | None = None
-    ) -> bool:
+    def _refuse_gso(self, err: int) -> None:
+        """The kernel refused a GSO send: no GSO on this socket from now on (as the engine's
+        adapter stops using it on the path)."""
+        self.gso = False
+        if self.sock not in _NO_GSO:
+            _NO_GSO.add(self.sock)
+            log.warning(
+                "udp floor: the kernel refused a UDP GSO send (%s); one datagram per message "
+                "from now on",
+                errno.errorcode.get(err, err),
+            )
+
+    def _take(self, lengths: np.ndarray, buf: np.ndarray, rep: int, stash: Stash | None) -> None:
+        """Apply the first ``len(lengths)`` receive rows to ``buf``; keep the next repetition's
+        in ``stash`` (dropped without one)."""
+        early = _apply_rows(self.words, self.floats, lengths, buf, rep, self.got, self.early)
+        if early and stash is not None:
+            keep = stash.setdefault(rep + 1, [])
+            keep += [
+                self.rows[i, : lengths[i]].copy() for i in range(lengths.shape[0]) if self.early[i]
+            ]
+
+    def _receive(self, fd: int, buf: np.ndarray, rep: int, stash: Stash | None) -> bool:
+        """Take every datagram waiting on the socket; True if there was any."""
+        moved = False
+        gro = self.gro_table
+        while True:
+            if gro is None:
+                lengths, err = self.table.receive(fd, 0, BATCH_RECV)
+                if err or lengths.shape[0] == 0:
+                    return moved
+                self._take(lengths, buf, rep, stash)
+            else:  # coalesced runs in the staging rows, split into the receive rows
+                k, err = gro.receive(fd, gro.capacity)
+                if err or k == 0:
+                    return moved
+                m = s = 0
+                while m < k:
+                    w, m, s = gro.split(k, m, s, self.rows, 0, self.lengths)
+                    self._take(self.lengths[:w], buf, rep, stash)
+            moved = True
+
+    def exchange(self, buf: np.ndarray, rep: int, stash: Stash | None = None) -> bool:
         """One all-reduce of ``buf`` in place; False if a datagram never came (timed out).
 
         ``stash``: datagrams of the next repetition that came during this one are kept there
@@ -239,36 +348,31 @@ class _MmsgFloor:
         self.got[:] = 0
         for row in stash.pop(rep, []) if stash is not None else []:
             self.rows[0, : row.shape[0]] = row
-            _apply_rows(
-                self.words[:1], self.floats[:1], np.array([row.shape[0]]), buf, rep, self.got,
-                self.early,
-            )  # fmt: skip
+            self.lengths[0] = row.shape[0]
+            self._take(self.lengths[:1], buf, rep, None)
         for phase in (0, 1):
-            fill = self._lay_out(phase, rep, buf)
-            pos = np.zeros(self.world, dtype=np.int64)
+            sent = np.zeros(self.world, dtype=np.int64)  # datagrams gone to each peer
+            fill = self._lay_out(phase, rep, buf, sent)
+            pos = np.zeros(self.world, dtype=np.int64)  # rows (messages) gone to each peer
             deadline = time.monotonic() + TIMEOUT_S
             while self.got[phase] < need[phase] or (pos < fill).any():
                 moved = False
                 for j in peers:
                     k = min(BATCH_SEND, int(fill[j] - pos[j]))
-                    if k > 0:
-                        sent, _ = self.batch.send(fd, j, int(pos[j]), k)  # EAGAIN: later
-                        pos[j] += sent
-                        moved |= sent > 0
-                while True:
-                    lengths, err = self.table.receive(fd, 0, BATCH_RECV)
-                    if err or lengths.shape[0] == 0:
+                    if k <= 0:
+                        continue
+                    i = int(pos[j])
+                    went, err = self.batch.send(fd, j, i, k)  # EAGAIN: later
+                    sent[j] += self.batch.row_datagrams(j, i, i + went)
+                    pos[j] += went
+                    moved |= went > 0
+                    if err in _GSO_REFUSED and went < k and self.batch.count[j, i + went] > 1:
+                        self._refuse_gso(err)
+                        fill = self._lay_out(phase, rep, buf, sent)
+                        pos[:] = 0
+                        moved = True
                         break
-                    k = lengths.shape[0]
-                    early = _apply_rows(
-                        self.words, self.floats, lengths, buf, rep, self.got, self.early
-                    )
-                    if early and stash is not None:
-                        keep = stash.setdefault(rep + 1, [])
-                        keep += [
-                            self.rows[i, : lengths[i]].copy() for i in range(k) if self.early[i]
-                        ]
-                    moved = True
+                moved |= self._receive(fd, buf, rep, stash)
                 if not moved:
                     if time.monotonic() > deadline:
                         return False
@@ -385,7 +489,8 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> N
         cpu: dict[str, list[list[float]]] = {t: [] for t in names}  # (user, sys) sums
         lost = 0
         results: dict[str, np.ndarray] = {}
-        mmsg = _MmsgFloor(sock, ports, rank, bounds)
+        chunk = args["chunk_bytes"]
+        mmsg = _MmsgFloor(sock, ports, rank, bounds, chunk, args["gso"])
         for k in range(args["reps"] + 1):  # the first repetition warms up, untimed
             for name in names[k % 3 :] + names[: k % 3]:
                 rep += 1
@@ -396,7 +501,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> N
                     dist.all_reduce(torch.from_numpy(buf))
                     ok = True
                 elif name == "udp_floor":
-                    ok = _exchange(sock, ports, rank, buf, bounds, rep)
+                    ok = _exchange(sock, ports, rank, buf, bounds, rep, chunk)
                 else:
                     ok = mmsg.exchange(buf, rep)
                 c1 = _cpu()
@@ -432,6 +537,9 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> N
                     "floor_mmsg_cpu_sys_median_s": float(split["udp_floor_mmsg"][1]),
                     "ranks": world,
                     "MB": mb,
+                    "chunk_bytes": chunk,
+                    "mmsg_gso": mmsg.gso,  # rank 0's: in use at the end
+                    "mmsg_gro": mmsg.gro,
                     "gloo_median_s": med["gloo"],
                     "floor_median_s": med["udp_floor"],
                     "ratio": med["udp_floor"] / med["gloo"],
@@ -473,9 +581,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
     p.add_argument("--sizes", default="25,100", help="comma-separated sizes in MB")
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=CHUNK_BYTES,
+        help=f"payload per datagram, a multiple of 4 (default {CHUNK_BYTES}: "
+        f"{DATAGRAM}-byte datagrams)",
+    )
+    p.add_argument("--no-gso", action="store_true", help="no UDP GSO for the batched floor")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
-    args = {"sizes": [float(x) for x in a.sizes.split(",")], "reps": a.reps}
+    try:
+        check_chunk_bytes(a.chunk_bytes)
+    except ValueError as e:
+        p.error(str(e))
+    args = {
+        "sizes": [float(x) for x in a.sizes.split(",")],
+        "reps": a.reps,
+        "chunk_bytes": a.chunk_bytes,
+        "gso": not a.no_gso,
+    }
     ctx = mp.get_context("spawn")
     rows: list[dict[str, Any]] = []
     for world in (int(x) for x in a.ranks.split(",")):
