@@ -75,6 +75,13 @@ def table(out: dict[str, Any]) -> None:
     )
     emit("       comm: from the first bucket ready to the last bucket reduced")
     emit(f"retransmissions and drops: all ranks together; {out['wall_s']:.0f} s wall")
+    free = s.get("gloo_free_spine_share")
+    if free is not None:
+        emit(
+            f"gloo over ECMP: {free:.0%} of its ring's bytes crossed the spine without cross "
+            "traffic (each connection is hashed onto a spine: 50% is an even split, near 100% "
+            "a hash that kept gloo off the congestion)"
+        )
     ratio = s.get("tta_ratio_vs_gloo")
     if ratio is not None:
         emit(

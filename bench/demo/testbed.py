@@ -13,6 +13,13 @@ to one rail), and with the gradlane hook over both paths (the replay's testbed t
 priorities, the loss bound). No loss is injected: what is lost, the network lost. The comparison
 is the loopback demo's (:func:`gradlane.bench.demo.training._compare`, ``gloo`` the baseline);
 the testbed is torn down whatever happens.
+
+ECMP hashes each of gloo's TCP connections onto one spine, so a run may find gloo's ring all on
+the free spine (a lucky hash) or partly on the congested one (the common case). The parent reads
+the switch ports' counters at gloo's first and last progress report: the bytes spine 1 (no cross
+traffic) carried in between, over the bytes gloo's ring had to move in those steps, is
+``gloo_free_spine_share`` in the summary (:func:`free_spine_share`; 0.5 is an even split, near 1
+a hash that kept gloo off the congestion), so a reader knows which case a comparison is.
 """
 
 from __future__ import annotations
@@ -34,7 +41,14 @@ from gradlane.bench.replay.rank import NetParams, ReplayConfig, ifname_of, trans
 from gradlane.bench.replay.rank_pipes import RankPipes, say
 from gradlane.bench.testbed.netns import ECMP_IFNAME
 
-__all__ = ["TESTBED_RUNS", "TestbedDemo", "main", "run_testbed_demo"]
+__all__ = [
+    "TESTBED_RUNS",
+    "TestbedDemo",
+    "free_spine_share",
+    "main",
+    "run_testbed_demo",
+    "spine_bytes",
+]
 
 #: The testbed demo's runs, in order: gloo over ECMP (the baseline), gloo on path 0, gradlane.
 TESTBED_RUNS = ("gloo", "gloo_path0", "gradlane")
@@ -42,6 +56,35 @@ TESTBED_RUNS = ("gloo", "gloo_path0", "gradlane")
 #: Seconds without a word from any rank before the demo gives up.
 SILENCE_S = 180.0
 MASTER_PORT = 29410
+
+
+#: IPv4 and TCP (with timestamps) headers inside the MTU, and the Ethernet header htb counts.
+_TCP_IP_HEADERS, _ETHERNET_HEADER = 52, 14
+
+
+def spine_bytes(link_stats: dict[str, dict[str, Any]]) -> dict[int, int]:
+    """Bytes each spine has sent (its ports toward the leaves), from ``Testbed.link_stats()``."""
+    out: dict[int, int] = {}
+    for port in link_stats.values():
+        link = str(port.get("link", ""))
+        if link.startswith("spine"):
+            spine = int(link[len("spine") : link.index("-")])
+            out[spine] = out.get(spine, 0) + int(port.get("sent_bytes", 0))
+    return out
+
+
+def free_spine_share(
+    free_bytes: int, steps: int, world: int, grad_bytes: int, mtu: int = 9000
+) -> float | None:
+    """The share of gloo's ring traffic over ``steps`` steps that crossed the spine without
+    cross traffic, given the bytes that spine sent meanwhile: a ring all-reduce moves
+    ``2 (world - 1) × grad_bytes`` per step over all ranks, as TCP segments of the MTU (their
+    headers and the Ethernet header on the wire, as htb counts). None when nothing was moved."""
+    payload = mtu - _TCP_IP_HEADERS
+    wire = steps * 2 * (world - 1) * grad_bytes * (payload + _TCP_IP_HEADERS + _ETHERNET_HEADER)
+    if wire <= 0:
+        return None
+    return min(1.0, max(0.0, free_bytes * payload / wire))
 
 
 class TestbedDemo:
@@ -96,15 +139,26 @@ def run_testbed_demo(
             }
             for r in range(tb.hosts)
         ]
+        # (step, spine 1's bytes) at gloo's first and last progress report (see the docstring)
+        marks: list[tuple[int, int]] = []
         with RankPipes() as ranks:
             ranks.start([partial(net.popen, r) for r in range(tb.hosts)], __name__, jobs)
             for rank, msg in ranks.messages(opts.timeout_s, SILENCE_S):
-                if msg["type"] == "progress" and on_progress is not None:
-                    on_progress(msg["run"], msg["step"], opts.steps)
+                if msg["type"] == "progress":
+                    if msg["run"] == "gloo" and (not marks or msg["step"] == opts.steps):
+                        marks.append((int(msg["step"]), spine_bytes(bed.link_stats()).get(1, 0)))
+                    if on_progress is not None:
+                        on_progress(msg["run"], msg["step"], opts.steps)
                 elif msg["type"] == "result":
                     results[msg["run"]][rank] = msg["out"]
         description = net.description
     out = _compare(opts, results, TESTBED_RUNS)
+    share = None
+    if len(marks) >= 2:
+        (s0, b0), (s1, b1) = marks[0], marks[-1]
+        grad = int(results["gloo"][0].get("grad_bytes", 0))
+        share = free_spine_share(b1 - b0, s1 - s0, tb.hosts, grad, spec.mtu)
+    out["summary"]["gloo_free_spine_share"] = share
     out["wall_s"] = time.perf_counter() - t0
     out["link_mbit"] = tb.link_mbit
     description = description.replace(
