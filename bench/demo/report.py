@@ -75,12 +75,18 @@ def table(out: dict[str, Any]) -> None:
     )
     emit("       comm: from the first bucket ready to the last bucket reduced")
     emit(f"retransmissions and drops: all ranks together; {out['wall_s']:.0f} s wall")
-    free = s.get("gloo_free_spine_share")
-    if free is not None:
+    busy = s.get("gloo_cross_route_busy")
+    if busy is not None:
+        lucky = busy < s.get("cross_share", 0.0) + 0.1
+        verdict = (
+            "the hash kept gloo's connections off the congested links, so gloo ran as on a free "
+            "network (gloo on path 0 is the congested case)"
+            if lucky
+            else "gloo's ring shared a congested link"
+        )
         emit(
-            f"gloo over ECMP: {free:.0%} of its ring's bytes crossed the spine without cross "
-            "traffic (each connection is hashed onto a spine: 50% is an even split, near 100% "
-            "a hash that kept gloo off the congestion)"
+            f"gloo over ECMP: the cross traffic's busiest link was {busy:.0%} busy during gloo's "
+            f"run ({s.get('cross_share', 0.0):.0%} is the cross traffic alone): {verdict}"
         )
     ratio = s.get("tta_ratio_vs_gloo")
     if ratio is not None:

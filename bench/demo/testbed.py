@@ -14,12 +14,14 @@ priorities, the loss bound). No loss is injected: what is lost, the network lost
 is the loopback demo's (:func:`gradlane.bench.demo.training._compare`, ``gloo`` the baseline);
 the testbed is torn down whatever happens.
 
-ECMP hashes each of gloo's TCP connections onto one spine, so a run may find gloo's ring all on
-the free spine (a lucky hash) or partly on the congested one (the common case). The parent reads
-the switch ports' counters at gloo's first and last progress report: the bytes spine 1 (no cross
-traffic) carried in between, over the bytes gloo's ring had to move in those steps, is
-``gloo_free_spine_share`` in the summary (:func:`free_spine_share`; 0.5 is an even split, near 1
-a hash that kept gloo off the congestion), so a reader knows which case a comparison is.
+ECMP hashes each of gloo's TCP connections onto one spine, and the cross traffic loads only the
+links of its own route (host ``src`` → spine 0 → host ``dst``), so a run may find none of gloo's
+ring on those links (a lucky hash: gloo runs as on a free network) or some of it there (gloo's
+ring runs at that connection's pace). The parent reads the switch ports' counters at gloo's first
+and last progress report; how busy the cross route's busiest link was in between, as a fraction
+of the link rate, is ``gloo_cross_route_busy`` in the summary (:func:`route_busy`): about the
+cross traffic's own share when gloo kept off its links, near 1 when gloo shared one. A reader
+knows which case a comparison is.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ from gradlane.bench.testbed.netns import ECMP_IFNAME
 __all__ = [
     "TESTBED_RUNS",
     "TestbedDemo",
-    "free_spine_share",
+    "cross_route",
     "main",
+    "route_busy",
     "run_testbed_demo",
-    "spine_bytes",
 ]
 
 #: The testbed demo's runs, in order: gloo over ECMP (the baseline), gloo on path 0, gradlane.
@@ -58,33 +60,34 @@ SILENCE_S = 180.0
 MASTER_PORT = 29410
 
 
-#: IPv4 and TCP (with timestamps) headers inside the MTU, and the Ethernet header htb counts.
-_TCP_IP_HEADERS, _ETHERNET_HEADER = 52, 14
+def cross_route(src: int, dst: int, spine: int) -> tuple[str, ...]:
+    """The switch links a cross-traffic flow from host ``src`` to host ``dst`` over ``spine``
+    loads, as ``Testbed.link_stats()`` names them."""
+    return (
+        f"leaf{src}->spine{spine}",
+        f"spine{spine}->leaf{dst}",
+        f"leaf{dst}->host{dst}.p{spine}",
+    )
 
 
-def spine_bytes(link_stats: dict[str, dict[str, Any]]) -> dict[int, int]:
-    """Bytes each spine has sent (its ports toward the leaves), from ``Testbed.link_stats()``."""
-    out: dict[int, int] = {}
-    for port in link_stats.values():
-        link = str(port.get("link", ""))
-        if link.startswith("spine"):
-            spine = int(link[len("spine") : link.index("-")])
-            out[spine] = out.get(spine, 0) + int(port.get("sent_bytes", 0))
-    return out
-
-
-def free_spine_share(
-    free_bytes: int, steps: int, world: int, grad_bytes: int, mtu: int = 9000
+def route_busy(
+    before: dict[str, dict[str, Any]],
+    after: dict[str, dict[str, Any]],
+    links: tuple[str, ...],
+    seconds: float,
+    link_mbit: float,
 ) -> float | None:
-    """The share of gloo's ring traffic over ``steps`` steps that crossed the spine without
-    cross traffic, given the bytes that spine sent meanwhile: a ring all-reduce moves
-    ``2 (world - 1) × grad_bytes`` per step over all ranks, as TCP segments of the MTU (their
-    headers and the Ethernet header on the wire, as htb counts). None when nothing was moved."""
-    payload = mtu - _TCP_IP_HEADERS
-    wire = steps * 2 * (world - 1) * grad_bytes * (payload + _TCP_IP_HEADERS + _ETHERNET_HEADER)
-    if wire <= 0:
+    """How busy the busiest of ``links`` was between two ``Testbed.link_stats()`` readings
+    ``seconds`` apart: bytes sent over what the link rate allows (None without a reading)."""
+    if seconds <= 0:
         return None
-    return min(1.0, max(0.0, free_bytes * payload / wire))
+
+    def sent(stats: dict[str, dict[str, Any]]) -> dict[str, int]:
+        return {str(v.get("link")): int(v.get("sent_bytes", 0)) for v in stats.values()}
+
+    b, a = sent(before), sent(after)
+    busy = [(a[k] - b[k]) * 8 / (link_mbit * 1e6 * seconds) for k in links if k in a and k in b]
+    return max(busy) if busy else None
 
 
 class TestbedDemo:
@@ -125,8 +128,10 @@ def run_testbed_demo(
     t0 = time.perf_counter()
     with Testbed(spec) as bed:
         net = TestbedNetwork(bed, master_port=MASTER_PORT, **TESTBED_TRANSPORT)
+        route: tuple[str, ...] = ()
         if tb.cross > 0:
-            bed.cross_traffic(0, tb.cross * tb.link_mbit)
+            flow = bed.cross_traffic(0, tb.cross * tb.link_mbit)
+            route = cross_route(flow.spec.src, flow.spec.dst, flow.spec.spine)
         master = list(net.master())
         jobs = [
             {
@@ -139,26 +144,26 @@ def run_testbed_demo(
             }
             for r in range(tb.hosts)
         ]
-        # (step, spine 1's bytes) at gloo's first and last progress report (see the docstring)
-        marks: list[tuple[int, int]] = []
+        # (time, switch counters) at gloo's first and last progress report (see the docstring)
+        marks: list[tuple[float, dict[str, dict[str, Any]]]] = []
         with RankPipes() as ranks:
             ranks.start([partial(net.popen, r) for r in range(tb.hosts)], __name__, jobs)
             for rank, msg in ranks.messages(opts.timeout_s, SILENCE_S):
                 if msg["type"] == "progress":
                     if msg["run"] == "gloo" and (not marks or msg["step"] == opts.steps):
-                        marks.append((int(msg["step"]), spine_bytes(bed.link_stats()).get(1, 0)))
+                        marks.append((time.monotonic(), bed.link_stats()))
                     if on_progress is not None:
                         on_progress(msg["run"], msg["step"], opts.steps)
                 elif msg["type"] == "result":
                     results[msg["run"]][rank] = msg["out"]
         description = net.description
     out = _compare(opts, results, TESTBED_RUNS)
-    share = None
-    if len(marks) >= 2:
-        (s0, b0), (s1, b1) = marks[0], marks[-1]
-        grad = int(results["gloo"][0].get("grad_bytes", 0))
-        share = free_spine_share(b1 - b0, s1 - s0, tb.hosts, grad, spec.mtu)
-    out["summary"]["gloo_free_spine_share"] = share
+    busy = None
+    if len(marks) >= 2 and route:
+        (t0_, before), (t1_, after) = marks[0], marks[-1]
+        busy = route_busy(before, after, route, t1_ - t0_, tb.link_mbit)
+    out["summary"]["gloo_cross_route_busy"] = busy
+    out["summary"]["cross_share"] = tb.cross
     out["wall_s"] = time.perf_counter() - t0
     out["link_mbit"] = tb.link_mbit
     description = description.replace(

@@ -246,7 +246,6 @@ def _train(
             divergence = float((flat - ref).abs().max())
         out: dict[str, Any] = {
             "accuracy": accuracy,
-            "grad_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
             "param_divergence": divergence,
             "step_s": step_s,
             "comm_s": _comm_per_step(rec.records(), opts.steps),

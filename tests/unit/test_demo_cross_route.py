@@ -1,0 +1,35 @@
+"""The testbed demo's measure of whether ECMP put gloo's ring on the cross traffic's links:
+pure arithmetic on switch port counters."""
+
+from __future__ import annotations
+
+import pytest
+from gradlane.bench.demo.testbed import cross_route, route_busy
+
+
+def _stats(sent: dict[str, int]) -> dict[str, dict]:
+    return {f"ns/{i}": {"link": link, "sent_bytes": n} for i, (link, n) in enumerate(sent.items())}
+
+
+def test_the_cross_route_names_the_links_link_stats_reports():
+    assert cross_route(0, 1, 0) == ("leaf0->spine0", "spine0->leaf1", "leaf1->host1.p0")
+
+
+def test_route_busy_is_the_busiest_route_link_over_the_link_rate():
+    route = cross_route(0, 1, 0)
+    before = _stats(dict.fromkeys([*route, "spine1->leaf2"], 1000))
+    mbit, seconds = 200.0, 2.0
+    full = int(mbit * 1e6 / 8 * seconds)  # bytes a link sends in that time at its rate
+    after = _stats(
+        {
+            "leaf0->spine0": 1000 + int(0.7 * full),  # the cross traffic alone
+            "spine0->leaf1": 1000 + full,  # gloo shared this one
+            "leaf1->host1.p0": 1000 + int(0.7 * full),
+            "spine1->leaf2": 1000 + full,  # off the route: not counted
+        }
+    )
+    assert route_busy(before, after, route, seconds, mbit) == pytest.approx(1.0, abs=1e-6)
+    after["ns/1"]["sent_bytes"] = 1000 + int(0.7 * full)
+    assert route_busy(before, after, route, seconds, mbit) == pytest.approx(0.7, abs=1e-6)
+    assert route_busy(before, after, route, 0.0, mbit) is None
+    assert route_busy(before, after, ("leaf9->spine0",), seconds, mbit) is None
