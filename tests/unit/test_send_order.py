@@ -67,13 +67,19 @@ def _paced(**cfg):
     )
 
 
-def test_class_0_waits_for_one_datagram_of_tokens_not_a_quantum():
+def _bulk_sent(seed: int):
+    """``_paced`` cores whose rank 0 has started a back-layer bucket and sent the NIC's burst
+    of it; with rank 0's sender, the datagram slot and the NIC rate."""
     eps = _paced()
-    sender = eps[0].endpoint.sender
-    slot, rate = eps[0].config.slot_bytes, eps[0].config.nic_rate_Bps
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(seed)
     eps[0].start(1, 0, rng.standard_normal(20_000).astype(np.float32), 0.9, now=0.0)
     assert _bucket_order(eps[0], 0.0) == [0]  # the NIC's burst went; its tokens are spent
+    return eps, eps[0].endpoint.sender, eps[0].config.slot_bytes, eps[0].config.nic_rate_Bps
+
+
+def test_class_0_waits_for_one_datagram_of_tokens_not_a_quantum():
+    eps, sender, slot, rate = _bulk_sent(4)
+    rng = np.random.default_rng(4)
     bulk_wait = sender.get_timer()
     assert bulk_wait is not None and bulk_wait >= 15 * slot / rate  # a whole quantum
     # A pinned (class 0) bucket arrives: the next send waits for one datagram's tokens only.
@@ -88,12 +94,7 @@ def test_class_0_waits_for_one_datagram_of_tokens_not_a_quantum():
 
 def test_without_class_0_the_quantum_still_batches_sends():
     """The bulk path keeps its batching: tokens for less than a quantum send nothing."""
-    eps = _paced()
-    sender = eps[0].endpoint.sender
-    slot, rate = eps[0].config.slot_bytes, eps[0].config.nic_rate_Bps
-    rng = np.random.default_rng(5)
-    eps[0].start(1, 0, rng.standard_normal(20_000).astype(np.float32), 0.9, now=0.0)
-    _bucket_order(eps[0], 0.0)
+    eps, sender, slot, rate = _bulk_sent(5)
     assert _bucket_order(eps[0], 2 * slot / rate) == []  # two datagrams' tokens: wait on
     wake = sender.get_timer()
     assert wake is not None and wake >= 15 * slot / rate
