@@ -509,3 +509,23 @@ def apply_ack(
         "path_hit": path_hit,
         "lost": lost,
     }
+
+
+def note_lanes(
+    path: np.ndarray,
+    prio: np.ndarray,
+    tx_seq: np.ndarray,
+    acked: np.ndarray,
+    n_classes: int,
+    lane_seq: np.ndarray,
+    lane_at: np.ndarray,
+    now: float,
+) -> None:
+    """NumPy reference of ``kernels._ack.note_lanes``: acknowledged chunks advance their lanes'
+    newest delivered sequence (and stamp the lanes that advance)."""
+    lanes = path[acked].astype(np.int64) * n_classes + prio[acked]
+    newest = np.full(lane_seq.shape[0], -1, dtype=np.int64)
+    np.maximum.at(newest, lanes, tx_seq[acked])
+    ahead = newest > lane_seq
+    lane_seq[ahead] = newest[ahead]
+    lane_at[ahead] = now

@@ -325,3 +325,35 @@ def test_next_due_refuses_chunks_outside_its_tables() -> None:
     with pytest.raises(ValueError, match="RTO table"):
         _kernels_ack.next_due(*args, np.zeros(3, np.int64), np.zeros(3), 0.0, np.ones(2), 1.0,
                               -np.inf, True)  # fmt: skip
+
+
+@SETTINGS
+@given(
+    st.integers(1, 60),  # chunks in the transfer
+    st.integers(1, 3),  # paths
+    st.integers(1, 4),  # classes
+    st.integers(0, 2**31),  # seed
+)
+def test_note_lanes_equals_the_numpy_reference(n, n_paths, n_classes, seed) -> None:
+    """Acknowledged chunks advance their lanes (path x class) exactly as the NumPy formulation
+    the sender used: the newest transmission sequence per lane, stamped now where it advanced."""
+    rng = np.random.default_rng(seed)
+    path = rng.integers(0, n_paths, n).astype(np.int16)
+    prio = rng.integers(0, n_classes, n).astype(np.uint8)
+    tx_seq = rng.integers(0, 10 * n, n).astype(np.int64)
+    acked = np.sort(rng.permutation(n)[: int(rng.integers(0, n + 1))]).astype(np.int64)
+    lanes = n_paths * n_classes
+    seq = rng.integers(-1, 10 * n, lanes).astype(np.int64)
+    at = rng.uniform(0, 1, lanes)
+    want_seq, want_at = seq.copy(), at.copy()
+    naive.note_lanes(path, prio, tx_seq, acked, n_classes, want_seq, want_at, 2.5)
+    _kernels_ack.note_lanes(path, prio, tx_seq, acked, n_classes, seq, at, 2.5)
+    assert seq.tolist() == want_seq.tolist() and at.tolist() == want_at.tolist()
+
+
+def test_note_lanes_refuses_a_lane_outside_the_arrays() -> None:
+    seq, at = np.full(2, -1, np.int64), np.zeros(2)
+    path, prio = np.array([0, 3], np.int16), np.zeros(2, np.uint8)
+    with pytest.raises(ValueError, match="outside the arrays"):
+        _kernels_ack.note_lanes(path, prio, np.arange(2), np.arange(2), 1, seq, at, 1.0)
+    assert seq.tolist() == [-1, -1]  # nothing written

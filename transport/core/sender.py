@@ -46,7 +46,7 @@ from gradlane.transport.core.outgoing import (
     SparePayloads,
 )
 from gradlane.transport.core.peer_paths import PeerPaths
-from gradlane.transport.kernels._ack import note_sent
+from gradlane.transport.kernels._ack import note_lanes, note_sent
 from gradlane.transport.wire.header import Kind
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
@@ -537,13 +537,9 @@ class SenderCore:
         return s
 
     def _note_lanes(self, t: OutTransfer, acked: np.ndarray, now: float) -> None:
-        """Newly acknowledged chunks advance their lanes' newest delivered sequence."""
-        lanes = t.path[acked].astype(np.int64) * len(self._tos) + t.prio[acked]
-        newest = np.full(t.lane_seq.shape[0], -1, dtype=np.int64)
-        np.maximum.at(newest, lanes, t.tx_seq[acked])
-        ahead = newest > t.lane_seq
-        t.lane_seq[ahead] = newest[ahead]
-        t.lane_at[ahead] = now
+        """Newly acknowledged chunks advance their lanes' newest delivered sequence (one
+        compiled pass; the numpy formulation is the reference in tests/support/naive.py)."""
+        note_lanes(t.path, t.prio, t.tx_seq, acked, len(self._tos), t.lane_seq, t.lane_at, now)
 
     def _rto(self, t: OutTransfer, path_rtos: np.ndarray | None = None) -> float:
         """The transfer's RTO for control repeats (manifest, FIN): the largest of its usable

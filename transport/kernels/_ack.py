@@ -254,6 +254,35 @@ def next_due(
 
 
 @njit(**EXACT)
+def note_lanes(
+    path: np.ndarray,
+    prio: np.ndarray,
+    tx_seq: np.ndarray,
+    acked: np.ndarray,
+    n_classes: int,
+    lane_seq: np.ndarray,
+    lane_at: np.ndarray,
+    now: float,
+) -> None:
+    """Newly acknowledged chunks ``acked`` advance their lanes (path × ``n_classes`` + class):
+    a lane's newest delivered transmission sequence becomes the largest of theirs, and a lane
+    that advances is stamped ``now`` (RACK's reference, see :func:`rack_due`). Raises
+    ValueError for a lane outside the arrays (nothing is written then)."""
+    n_lanes = lane_seq.shape[0]
+    for i in range(acked.shape[0]):
+        c = acked[i]
+        lane = np.int64(path[c]) * n_classes + np.int64(prio[c])
+        if lane < 0 or lane >= n_lanes:
+            raise ValueError("note_lanes: a lane outside the arrays")
+    for i in range(acked.shape[0]):
+        c = acked[i]
+        lane = np.int64(path[c]) * n_classes + np.int64(prio[c])
+        if tx_seq[c] > lane_seq[lane]:
+            lane_seq[lane] = tx_seq[c]
+            lane_at[lane] = now
+
+
+@njit(**EXACT)
 def note_sent(
     state: np.ndarray,
     sent_at: np.ndarray,
