@@ -98,3 +98,16 @@ def test_without_class_0_the_quantum_still_batches_sends():
     assert _bucket_order(eps[0], 2 * slot / rate) == []  # two datagrams' tokens: wait on
     wake = sender.get_timer()
     assert wake is not None and wake >= 15 * slot / rate
+
+
+def test_urgency_orders_waiting_requests_pinned_then_front_layers_then_arrival():
+    """The start order both planes use for requests that wait together (a stable sort)."""
+    from gradlane.transport.drivers.futures import CollectiveRequest, urgency
+
+    x = np.zeros(4, np.float32)
+    asks = [(0, 0.9, False), (1, 0.2, False), (2, 0.9, True), (3, 0.2, False), (4, 0.5, True)]
+    reqs = [CollectiveRequest(1, b, x, layer_position=pos, pinned=p) for b, pos, p in asks]
+    default = make_priority_policy(PriorityConfig())
+    flat = make_priority_policy(PriorityConfig(policy="flat"))
+    assert [r.bucket for r in sorted(reqs, key=lambda r: urgency(r, default))] == [4, 2, 1, 3, 0]
+    assert [r.bucket for r in sorted(reqs, key=lambda r: urgency(r, flat))] == [2, 4, 0, 1, 3]
