@@ -5,6 +5,8 @@ Usage::
     python -m gradlane.bench.perf.core_cpu --ranks 2,4 --sizes 1,25 --reps 20 --json out.json
     python -m gradlane.bench.perf.core_cpu --ranks 4 --sizes 25 --profile /tmp/core.prof
         # (cProfile of the cores)
+    python -m gradlane.bench.perf.core_cpu --ranks 4 --sizes 1 --chunk-bytes 8972 --burst 8
+        # (datagrams a few at a time, as from a paced network: the per-batch work counts)
 
 Every rank is a :class:`~gradlane.transport.core.collective.TransposeAllReduce` driven the way the
 engine drives one (``start``, then service passes: ``datagrams_to_send`` — which processes the
@@ -40,11 +42,15 @@ import numpy as np
 MB = 1 << 20
 
 
-def _deliver(eps: list[Any], queues: list[list[Any]], r: int, now: float) -> None:
-    """Move up to READ_BURST queued datagrams per path into rank ``r``'s arena, one commit per
-    path (as one ``recvmmsg`` per socket would)."""
+def _deliver(
+    eps: list[Any], queues: list[list[Any]], r: int, now: float, burst: int | None = None
+) -> None:
+    """Move up to ``burst`` (default READ_BURST) queued datagrams per path into rank ``r``'s
+    arena, one commit per path (as one ``recvmmsg`` per socket would)."""
     from gradlane.transport.drivers.udp.sockets import READ_BURST
 
+    if burst is None:
+        burst = READ_BURST
     ep = eps[r].endpoint
     q = queues[r]
     if not q:
@@ -53,7 +59,7 @@ def _deliver(eps: list[Any], queues: list[list[Any]], r: int, now: float) -> Non
     rest = []
     for item in q:
         lst = by_path.setdefault(item[0], [])
-        if len(lst) < READ_BURST:
+        if len(lst) < burst:
             lst.append(item)
         else:
             rest.append(item)
@@ -109,12 +115,15 @@ def run_one(
     loss_bound: float = 0.0,
     seed: int = 0,
     round_s: float = 0.0,
+    burst: int | None = None,
 ) -> dict[str, Any]:
     """``reps`` all-reduces of ``mb`` MB float32 among ``world`` in-process cores; ``loss``: the
     fraction of datagrams (data and control) the harness drops, seeded; ``loss_bound`` the
     cores' (then the result is not checked against the exact sum). ``round_s`` > 0: the clock
     moves by exactly that much per round instead of the round's longest pass, so the same seed
-    replays the same protocol run (the measured CPU decides nothing)."""
+    replays the same protocol run (the measured CPU decides nothing). ``burst``: at most this
+    many datagrams per path reach a rank per pass (default READ_BURST): small bursts stand for a
+    paced network, whose datagrams arrive a few at a time, so every batch's fixed work counts."""
     from gradlane.scheduling.loss import LossConfig
     from gradlane.transport.config import loopback_config
     from gradlane.transport.core.collective import TransposeAllReduce
@@ -151,7 +160,7 @@ def run_one(
     def serve(r: int, now: float, call: Any) -> list[Any]:
         """One service pass of rank ``r`` as the engine makes it (input, timer, output), each
         call made through ``call`` (``timed`` or ``untimed``); the events it produced."""
-        _deliver(eps, queues, r, now)
+        _deliver(eps, queues, r, now, burst)
         when = eps[r].get_timer()
         if when is not None and when <= now:
             call(r, eps[r].handle_timer, now)
@@ -214,6 +223,7 @@ def run_one(
         "chunk_bytes": chunk_bytes,
         "loss": loss,
         "loss_bound": loss_bound,
+        "burst": burst,
     }
 
 
@@ -237,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         help="simulated time per round (default: the round's longest pass, at least --tick-us); "
         "fixed, the same seed replays the same run",
     )
+    ap.add_argument(
+        "--burst",
+        type=int,
+        default=None,
+        help="most datagrams per path delivered to a rank per pass (default: the UDP driver's "
+        "READ_BURST); a few, e.g. 8, stands for a paced network",
+    )
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--profile", help="write a cProfile of the cores' calls here")
     args = ap.parse_args(argv)
@@ -251,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             row = run_one(
                 world, mb, args.reps, args.tick_us * 1e-6, prof, chunk_bytes=args.chunk_bytes,
                 loss=args.loss, loss_bound=args.loss_bound, seed=args.seed,
-                round_s=args.round_us * 1e-6,
+                round_s=args.round_us * 1e-6, burst=args.burst,
             )  # fmt: skip
             rows.append(row)
             print(

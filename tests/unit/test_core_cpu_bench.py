@@ -37,3 +37,18 @@ def test_core_cpu_benchmark_under_loss_replays_the_same_run(tmp_path):
         rows.append(json.loads(path.read_text())["rows"][0])
     assert rows[0]["loss"] == 0.1 and rows[0]["chunk_bytes"] == 2048
     assert rows[0]["passes_per_rank_per_collective"] == rows[1]["passes_per_rank_per_collective"]
+
+
+def test_core_cpu_benchmark_with_small_bursts_takes_more_passes(tmp_path):
+    """``--burst``: datagrams reach a rank a few at a time (as from a paced network), so the same
+    collective takes more service passes than with whole bursts, and still sums."""
+    args = ["--ranks", "2", "--sizes", "0.25", "--reps", "2", "--chunk-bytes", "8192"]
+    rows = {}
+    for burst in ("4", None):
+        path = tmp_path / f"burst{burst}.json"
+        extra = ["--burst", burst] if burst else []
+        assert core_cpu.main([*args, *extra, "--json", str(path)]) == 0
+        rows[burst] = json.loads(path.read_text())["rows"][0]
+    assert rows["4"]["burst"] == 4 and rows[None]["burst"] is None
+    passes = {k: row["passes_per_rank_per_collective"] for k, row in rows.items()}
+    assert passes["4"] > passes[None], passes
