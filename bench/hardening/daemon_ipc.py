@@ -47,7 +47,14 @@ from typing import Any
 import numpy as np
 import zmq
 from gradlane.bench.hardening.common import Budget
-from gradlane.bench.hardening.daemons import DaemonProc, TrainerProc, job_token, remove_segments
+from gradlane.bench.hardening.daemons import (
+    DaemonProc,
+    TrainerProc,
+    daemon_clients,
+    exact_step,
+    job_token,
+    remove_segments,
+)
 from gradlane.bench.hardening.trainer import bucket
 from gradlane.transport.daemon import messages as ipc
 from gradlane.transport.daemon.client import DaemonPlane
@@ -474,27 +481,12 @@ def _truncation(daemon: DaemonProc, job: int, budget: Budget) -> dict[str, Any]:
 
 def _exact_allreduce(daemon: DaemonProc, job: int, n: int = 4096) -> bool:
     """Two fresh clients all-reduce one bucket through the daemon: exact?"""
-    clients = [
-        DaemonPlane(
-            daemon.socket,
-            job=job,
-            rank=r,
-            world=2,
-            local_rank=r,
-            local_world=2,
-            connect_timeout_s=60.0,
-            request_timeout_s=60.0,
-        )
-        for r in range(2)
-    ]
     try:
-        for c in clients:
-            c.start()
-        futs = [c.submit(2, 0, bucket(r, n)) for r, c in enumerate(clients)]
-        want = bucket(0, n) + bucket(1, n)
-        return all(np.array_equal(f.result(60.0)[0], want) for f in futs)
-    except Exception:  # not exact is the finding; the caller records False
+        clients = daemon_clients(daemon.socket, job, (0, 1))
+    except Exception:  # not even a client is the finding; the caller records False
         return False
+    try:
+        return exact_step(clients, 2, n, 60.0)
     finally:
         for c in clients:
             c.close()

@@ -23,10 +23,20 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
 from gradlane.bench.hardening.common import PR_SET_PDEATHSIG
+from gradlane.bench.hardening.trainer import bucket
 from gradlane.integrations.cli.stats import fetch, samples
+from gradlane.transport.daemon.client import DaemonPlane
 
-__all__ = ["DaemonProc", "TrainerProc", "job_token", "remove_segments"]
+__all__ = [
+    "DaemonProc",
+    "TrainerProc",
+    "daemon_clients",
+    "exact_step",
+    "job_token",
+    "remove_segments",
+]
 
 #: How long a daemon or trainer may take to say it is ready (a first start compiles kernels).
 READY_S = 180.0
@@ -249,3 +259,40 @@ class TrainerProc:
             if stream is not None:
                 with contextlib.suppress(OSError, ValueError):
                     stream.close()
+
+
+def daemon_clients(socket: str, job: int, ranks: tuple[int, ...]) -> list[DaemonPlane]:
+    """Started clients of a two-local-rank job on the daemon at ``socket``, one per local rank
+    in ``ranks``; if one fails to start, those already started are closed."""
+    clients: list[DaemonPlane] = []
+    try:
+        for r in ranks:
+            clients.append(
+                DaemonPlane(
+                    socket,
+                    job=job,
+                    rank=r,
+                    world=2,
+                    local_rank=r,
+                    local_world=2,
+                    connect_timeout_s=60.0,
+                    request_timeout_s=60.0,
+                ).start()
+            )
+    except BaseException:
+        for c in clients:
+            c.close()
+        raise
+    return clients
+
+
+def exact_step(clients: list[DaemonPlane], step: int, n: int, timeout_s: float) -> bool:
+    """Each client submits its local rank's :func:`bucket` of ``n`` elements as bucket 0 of
+    ``step``: True when every result is the exact sum of local ranks 0 and 1's buckets (a step
+    that fails is not exact)."""
+    futs = [c.submit(step, 0, bucket(c.local_rank, n)) for c in clients]
+    want = bucket(0, n) + bucket(1, n)
+    try:
+        return all(np.array_equal(f.result(timeout_s)[0], want) for f in futs)
+    except Exception:  # a failed step is not exact: reported as such
+        return False

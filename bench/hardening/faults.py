@@ -32,7 +32,14 @@ from typing import Any
 
 import numpy as np
 from gradlane.bench.hardening.common import Budget
-from gradlane.bench.hardening.daemons import DaemonProc, TrainerProc, job_token, remove_segments
+from gradlane.bench.hardening.daemons import (
+    DaemonProc,
+    TrainerProc,
+    daemon_clients,
+    exact_step,
+    job_token,
+    remove_segments,
+)
 from gradlane.bench.hardening.ranks import RankGroup
 from gradlane.bench.hardening.trainer import bucket
 from gradlane.transport.daemon.client import DaemonPlane
@@ -107,31 +114,6 @@ def _kill_rank(budget: Budget, hard: float, n: int, secret: str | None) -> dict[
     }
 
 
-def _clients(socket: str, job: int, ranks: tuple[int, ...]) -> list[DaemonPlane]:
-    return [
-        DaemonPlane(
-            socket,
-            job=job,
-            rank=r,
-            world=2,
-            local_rank=r,
-            local_world=2,
-            connect_timeout_s=60.0,
-            request_timeout_s=60.0,
-        ).start()
-        for r in ranks
-    ]
-
-
-def _exact_step(clients: list[DaemonPlane], step: int, timeout_s: float) -> bool:
-    futs = [c.submit(step, 0, bucket(c.local_rank, TRAINER_N)) for c in clients]
-    want = bucket(0, TRAINER_N) + bucket(1, TRAINER_N)
-    try:
-        return all(np.array_equal(f.result(timeout_s)[0], want) for f in futs)
-    except Exception:  # a failed step is not exact: reported as such
-        return False
-
-
 def _kill_daemon(budget: Budget) -> dict[str, Any]:
     job = job_token()
     # A long slot timeout: the step in flight must be failed by the disconnect, not by it.
@@ -139,8 +121,8 @@ def _kill_daemon(budget: Budget) -> dict[str, Any]:
     clients: list[DaemonPlane] = []
     again: DaemonProc | None = None
     try:
-        clients = _clients(daemon.socket, job, (0, 1))
-        first_exact = _exact_step(clients, 1, budget.left())
+        clients = daemon_clients(daemon.socket, job, (0, 1))
+        first_exact = exact_step(clients, 1, TRAINER_N, budget.left())
         before = clients[0].stats()["submitted"]
         fut = clients[0].submit(2, 0, bucket(0, TRAINER_N))  # waits in its slot for rank 1
         while clients[0].stats()["submitted"] == before:
@@ -157,7 +139,7 @@ def _kill_daemon(budget: Budget) -> dict[str, Any]:
         error_s = failed[0] - t_kill if failed else None
         # The same socket, a new daemon: the clients say HELLO again and go on.
         again = DaemonProc(job, hard_deadline_s=30.0, socket_dir=daemon.dir).start()
-        restart_exact = _exact_step(clients, 3, budget.left())
+        restart_exact = exact_step(clients, 3, TRAINER_N, budget.left())
         return {
             "first_exact": first_exact,
             "error": text[:1000],
@@ -183,9 +165,9 @@ def _kill_trainer(budget: Budget, hard: float) -> dict[str, Any]:
     try:
         trainers.append(TrainerProc(daemon.socket, job, local_rank=1))
         trainers[0].expect("ready", budget.left())
-        clients = _clients(daemon.socket, job, (0,))
+        clients = daemon_clients(daemon.socket, job, (0,))
         trainers[0].send(cmd="submit", step=1, n=TRAINER_N)
-        first = _exact_step(clients, 1, budget.left())
+        first = exact_step(clients, 1, TRAINER_N, budget.left())
         first = first and trainers[0].expect("result", budget.left()).get("exact", False)
         trainers[0].kill()
         t0 = time.monotonic()
@@ -198,7 +180,7 @@ def _kill_trainer(budget: Budget, hard: float) -> dict[str, Any]:
         trainers.append(TrainerProc(daemon.socket, job, local_rank=1))
         trainers[1].expect("ready", budget.left())
         trainers[1].send(cmd="submit", step=3, n=TRAINER_N)
-        rejoin = _exact_step(clients, 3, budget.left())
+        rejoin = exact_step(clients, 3, TRAINER_N, budget.left())
         rejoin = rejoin and trainers[1].expect("result", budget.left()).get("exact", False)
         return {
             "first_exact": first,

@@ -84,6 +84,7 @@ Loopback on a shared machine: the numbers are informative, not a network measure
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import multiprocessing as mp
 import os
@@ -168,8 +169,9 @@ class _FloorPlane:
     recovery: a datagram that never comes (5 s) fails the call, and with it the run."""
 
     def __init__(self, rank: int, world: int, chunk_bytes: int) -> None:
-        from gradlane.bench.perf.udp_floor import floor_socket
+        from gradlane.bench.perf.udp_floor import _MmsgFloor, floor_socket
 
+        self._make = _MmsgFloor  # imported here, not inside the timed submit
         self.rank, self.world, self.chunk_bytes = rank, world, chunk_bytes
         self.sock = floor_socket()
         self._floors: dict[int, Any] = {}  # buffer length -> _MmsgFloor
@@ -189,10 +191,6 @@ class _FloorPlane:
     ) -> Any:
         """All-reduce ``data`` (into ``out``, which may be ``data``) as repetition ``step``: a
         done Future of ``(result, report)``."""
-        from concurrent.futures import Future
-
-        from gradlane.bench.perf.udp_floor import _MmsgFloor
-
         buf = data.copy() if out is None else out
         if out is not None and out is not data:
             buf[:] = data
@@ -200,7 +198,7 @@ class _FloorPlane:
         floor = self._floors.get(n)
         if floor is None:
             bounds = np.linspace(0, n, self.world + 1).astype(np.int64)
-            floor = self._floors[n] = _MmsgFloor(
+            floor = self._floors[n] = self._make(
                 self.sock, self._ports, self.rank, bounds, self.chunk_bytes
             )
         if not floor.exchange(buf, step):
@@ -210,7 +208,7 @@ class _FloorPlane:
                 "has no loss recovery, so the run stops; loopback loses only when the socket "
                 "buffers overflow (a loaded machine): run again on a quieter one"
             )
-        fut: Future[Any] = Future()
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         fut.set_result((buf, _FloorReport()))
         return fut
 

@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 import numpy as np
+from gradlane.bench.host import HostWatch
 
 MB = 1 << 20
 
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--profile", help="write a cProfile of the cores' calls here")
     args = ap.parse_args(argv)
+    host = HostWatch()
     prof = None
     if args.profile:
         import cProfile
@@ -278,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     out = {
+        "host": host.record(),
         "rows": rows,
         "summary": {
             "cpu_ms_per_rank": {f"{r['ranks']}x{r['MB']:g}": r["cpu_ms_per_rank"] for r in rows}

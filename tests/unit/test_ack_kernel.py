@@ -24,6 +24,13 @@ SETTINGS = settings(
 )
 #: Send times on a coarse grid, so lanes tie and chunks sit exactly at the RACK limit.
 _GRID = np.array([0.0, -0.0, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 1.5e-3, 2e-3])
+#: Transfers of (chunks, paths, classes, seed) the kernel property tests draw.
+TRANSFER_SHAPES = given(
+    st.integers(1, 60),  # chunks in the transfer
+    st.integers(1, 3),  # paths
+    st.integers(1, 4),  # classes
+    st.integers(0, 2**31),  # seed
+)
 
 
 def transfer(seed: int, n: int, n_paths: int, n_classes: int, nan_times: bool) -> dict:
@@ -183,12 +190,7 @@ def test_timed_out_refuses_a_path_outside_the_rto_table() -> None:
 
 
 @SETTINGS
-@given(
-    st.integers(1, 60),  # chunks in the transfer
-    st.integers(1, 3),  # paths
-    st.integers(1, 4),  # classes
-    st.integers(0, 2**31),  # seed
-)
+@TRANSFER_SHAPES
 def test_note_sent_equals_the_numpy_bookkeeping(n, n_paths, n_classes, seed) -> None:
     """One sending batch's bookkeeping, compiled, against the NumPy it replaced in
     SenderCore._send_batch: chunk state, send time, path and (saturating) transmission count,
@@ -328,12 +330,7 @@ def test_next_due_refuses_chunks_outside_its_tables() -> None:
 
 
 @SETTINGS
-@given(
-    st.integers(1, 60),  # chunks in the transfer
-    st.integers(1, 3),  # paths
-    st.integers(1, 4),  # classes
-    st.integers(0, 2**31),  # seed
-)
+@TRANSFER_SHAPES
 def test_note_lanes_equals_the_numpy_reference(n, n_paths, n_classes, seed) -> None:
     """Acknowledged chunks advance their lanes (path x class) exactly as the NumPy formulation
     the sender used: the newest transmission sequence per lane, stamped now where it advanced."""

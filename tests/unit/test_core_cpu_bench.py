@@ -18,6 +18,7 @@ def test_core_cpu_benchmark_sums_and_writes_its_summary(tmp_path):
     assert core_cpu.main(args) == 0
     doc = json.loads(path.read_text())
     assert set(doc["summary"]["cpu_ms_per_rank"]) == {"2x0.25", "3x0.25"}
+    assert doc["host"]["cpus"] >= 1 and len(doc["host"]["load_start"]) == 3  # the machine
     for row in doc["rows"]:
         assert row["cpu_ms_per_rank"] > 0
         # Two phases: a rank's gather waits for what its peers send only after their own

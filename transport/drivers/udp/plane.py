@@ -230,8 +230,9 @@ class UdpPlane:
         self._pending = PendingCollectives()
         # Submitted requests wait here for the loop, which starts all that wait at once, most
         # urgent first (see _start_queued); guarded by _lock.
-        self._inbox: list[tuple[concurrent.futures.Future[CollectiveResult], CollectiveRequest]]
-        self._inbox = []
+        self._inbox: list[
+            tuple[concurrent.futures.Future[CollectiveResult], CollectiveRequest]
+        ] = []
         self._timer: asyncio.TimerHandle | None = None
         self._armed: float | None = None
         self._service_pending = False
