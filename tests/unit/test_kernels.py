@@ -538,6 +538,53 @@ def test_keyed_session_accepts_its_key_only() -> None:
     ]  # fmt: skip
 
 
+@SETTINGS
+@given(
+    dtype=st.sampled_from(list(DType)),
+    gather=st.booleans(),
+    keyed=st.booleans(),
+    count=st.integers(1, 37),
+    seed=st.integers(0, 2**32 - 1),
+    bit=st.integers(0, 10**6),
+)
+def test_a_forged_payload_leaves_every_slot_bit_for_bit(
+    dtype: DType, gather: bool, keyed: bool, count: int, seed: int, bit: int
+) -> None:
+    """The fused loops write a slot while they check the tag and put it back on a mismatch: the
+    slot must come back bit for bit, whatever bits it holds (NaN payloads, -0.0, infinities)."""
+    rng = np.random.default_rng(seed)
+    key = KEYED if keyed else TagKey()
+    spec = transfer(dtype, count * 3, count)
+    item = ITEM[dtype]
+    payload = rng.integers(0, 256, count * item, dtype=np.uint8)
+    good = encode(header(src=1, chunk=1, count=count, dtype=dtype), payload, key)
+    bad = bytearray(good)
+    at = 48 + (bit // 8) % (count * item)
+    bad[at] ^= 1 << (bit % 8)
+    wire = np.uint32 if dtype == DType.F32 else np.uint16
+    slot = rng.integers(0, np.iinfo(wire).max, count * 3, dtype=wire, endpoint=True)
+    if gather or dtype == DType.F32:
+        out = slot.copy()
+    else:  # 16-bit contributions add into a float32 accumulator
+        out = rng.integers(0, 2**32 - 1, count * 3, dtype=np.uint32, endpoint=True)
+    before = out.copy()
+    received = np.zeros((WORLD, 3), dtype=np.uint8)
+    contrib = np.zeros(3, dtype=np.uint16)
+    counters = np.zeros(N_REASONS, dtype=np.int64)
+    arena, lengths = arena_of([bytes(bad)], width=row_width(count, dtype, 8))
+    kw = {"session": session(key), "transfer": spec, "counters": counters}
+    if gather:
+        target = out.view(np.float32) if dtype == DType.F32 else out
+        accepted = kernels.place_into(arena, lengths, target, received, **kw)
+    else:
+        accepted = kernels.reduce_into(
+            arena, lengths, out.view(np.float32), contrib, received, **kw
+        )
+    assert accepted == 0 and counters[Reason.BAD_TAG] == 1
+    assert out.tobytes() == before.tobytes()
+    assert not received.any() and not contrib.any()
+
+
 # --- fuzzing: random bytes and well-tagged random headers --------------------------------------
 
 

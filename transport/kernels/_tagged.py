@@ -1,0 +1,205 @@
+"""Fused check-and-write loops of the receive kernels: one pass over a payload (private).
+
+Theory of operation
+-------------------
+A receive kernel must not let a packet change anything before its tag is checked, and the tag
+covers every payload byte. Checking first and then writing reads the row twice; the second read
+hits L1, but the first is a lone stream from memory while the accumulator's stream waits its
+turn, so the pair runs at about half the speed of ``dst += src``. These loops read each payload
+word once: the tag sums, the write into the slot, and a copy of what the slot held before go in
+the same iteration. The caller then compares the tag and, on a mismatch, copies the saved values
+back (:func:`undo`): the slot ends bit-for-bit as it was, as if the packet had never been seen.
+The save is an L1 store of values the loop has just loaded (a write already reads the line it
+writes), so a single pass with two streams from memory costs little more than ``dst += src``.
+
+Only the kernel's own thread touches a slot while it runs (the accumulator and output of a
+transfer in progress are private to the core until it completes), so the transient write is
+never observed.
+
+Each function returns the payload's share of the tag sums, in :func:`tag_of`'s terms:
+``(Σ w, Σ j·w)`` over its u32 words for the fast tag, the two NH sums for the keyed one (``kp``
+is the key stream from the payload's first word, ``key[KEY_PAYLOAD:]``). The payload is
+``count`` items from row u64 word ``PAYLOAD_WORD // 2``; a last partial u64 word is masked to
+the payload as the tag's zero padding says.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gradlane.transport.kernels._common import (
+    EXACT,
+    header_sums,
+    nh_header,
+)
+from gradlane.transport.wire.tag import NH_SHIFT, TAG_KEYED, fast_finish, keyed_finish, nh
+from numba import njit
+
+_U64 = np.uint64
+_LO32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(inline="always", **EXACT)
+def _tail_word(w64: np.ndarray, k: int, n_bytes: int) -> np.uint64:
+    """u64 word ``k`` of the payload masked to its first ``n_bytes`` (1..7) bytes."""
+    return w64[k] & ((_U64(1) << _U64(8 * n_bytes)) - _U64(1))
+
+
+@njit(inline="always", **EXACT)
+def _fast_word(a: np.uint64, a_hi: np.uint64, b: np.uint64, k: int, v: np.uint64) -> tuple:
+    """Fast-tag sums (Σ, Σ hi, Σ k·(lo + hi)) with u64 word ``k`` (``v``) added."""
+    lo = v & _LO32
+    hi = v >> _U64(32)
+    s = lo + hi
+    return a + s, a_hi + hi, b + _U64(k) * s
+
+
+@njit(inline="always", **EXACT)
+def _add2(pay: np.ndarray, acc: np.ndarray, save: np.ndarray, k: int) -> None:
+    """Add (and save) items ``2k`` and ``2k + 1``."""
+    x0 = acc[2 * k]
+    x1 = acc[2 * k + 1]
+    save[2 * k] = x0
+    save[2 * k + 1] = x1
+    acc[2 * k] = x0 + pay[2 * k]
+    acc[2 * k + 1] = x1 + pay[2 * k + 1]
+
+
+@njit(inline="always", **EXACT)
+def add_f32(
+    w64: np.ndarray,
+    pay: np.ndarray,
+    acc: np.ndarray,
+    save: np.ndarray,
+    count: int,
+    mode: int,
+    kp: np.ndarray,
+) -> tuple[np.uint64, np.uint64]:
+    """``acc[:count] += pay[:count]`` (float32), old values to ``save``, and the tag sums.
+
+    ``w64`` is the row's payload as u64 words and ``pay`` the same bytes as float32.
+    """
+    half = count >> 1
+    s1 = _U64(0)
+    s2 = _U64(0)
+    a_hi = _U64(0)
+    keyed = mode == TAG_KEYED
+    if keyed:
+        for k in range(half):
+            m = w64[k]
+            s1 += nh(m, kp[k])
+            s2 += nh(m, kp[k + NH_SHIFT])
+            _add2(pay, acc, save, k)
+    else:
+        for k in range(half):
+            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, k, w64[k])
+            _add2(pay, acc, save, k)
+    if count & 1:
+        m = _tail_word(w64, half, 4)
+        if keyed:
+            s1 += nh(m, kp[half])
+            s2 += nh(m, kp[half + NH_SHIFT])
+        else:
+            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, half, m)
+        j = count - 1
+        save[j] = acc[j]
+        acc[j] += pay[j]
+    if not keyed:
+        s2 = _U64(2) * s2 + a_hi
+    return s1, s2
+
+
+@njit(inline="always", **EXACT)
+def _copy2(
+    pay: np.ndarray, dst: np.ndarray, save: np.ndarray, k: int, least: int, emask: int
+) -> int:
+    """Copy (and save) items ``2k`` and ``2k + 1``; the running minimum of inverted exponents."""
+    x0 = pay[2 * k]
+    x1 = pay[2 * k + 1]
+    save[2 * k] = dst[2 * k]
+    save[2 * k + 1] = dst[2 * k + 1]
+    dst[2 * k] = x0
+    dst[2 * k + 1] = x1
+    return min(least, ~x0 & emask, ~x1 & emask)
+
+
+@njit(inline="always", **EXACT)
+def copy_words(
+    w64: np.ndarray,
+    pay: np.ndarray,
+    dst: np.ndarray,
+    save: np.ndarray,
+    count: int,
+    mode: int,
+    kp: np.ndarray,
+    emask: int,
+) -> tuple[np.uint64, np.uint64, bool]:
+    """``dst[:count] = pay[:count]`` bit-exactly (u32 or u16 items), old values to ``save``, the
+    tag sums, and whether an item has every exponent bit of ``emask`` set (NaN or infinity: a
+    running minimum of the inverted exponent bits, which vectorises beside the copy).
+
+    u32 items (two per u64 word) are copied in the tag loop; u16 items in a second loop over the
+    same, L1-hot bytes, which vectorises on the item type where a copy of four per word does not.
+    """
+    per = 8 // pay.itemsize
+    full = (count * pay.itemsize) >> 3
+    s1 = _U64(0)
+    s2 = _U64(0)
+    a_hi = _U64(0)
+    least = emask
+    keyed = mode == TAG_KEYED
+    # Four loops, not one with branches inside: ``itemsize`` is a run-time field of a numba
+    # array, so a test inside the loop would stay there and keep it from vectorising.
+    if keyed and per == 2:
+        for k in range(full):
+            m = w64[k]
+            s1 += nh(m, kp[k])
+            s2 += nh(m, kp[k + NH_SHIFT])
+            least = _copy2(pay, dst, save, k, least, emask)
+    elif keyed:
+        for k in range(full):
+            m = w64[k]
+            s1 += nh(m, kp[k])
+            s2 += nh(m, kp[k + NH_SHIFT])
+    elif per == 2:
+        for k in range(full):
+            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, k, w64[k])
+            least = _copy2(pay, dst, save, k, least, emask)
+    else:
+        for k in range(full):
+            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, k, w64[k])
+    for j in range(2 * full if per == 2 else 0, count):
+        v = pay[j]
+        save[j] = dst[j]
+        dst[j] = v
+        least = min(least, ~v & emask)
+    rest = count * pay.itemsize - 8 * full
+    if rest:
+        m = _tail_word(w64, full, rest)
+        if keyed:
+            s1 += nh(m, kp[full])
+            s2 += nh(m, kp[full + NH_SHIFT])
+        else:
+            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, full, m)
+    if not keyed:
+        s2 = _U64(2) * s2 + a_hi
+    return s1, s2, least == 0
+
+
+@njit(inline="always", **EXACT)
+def tag_of(
+    row64: np.ndarray, length: int, mode: int, key: np.ndarray, p1: np.uint64, p2: np.uint64
+) -> np.uint64:
+    """The tag of a row whose payload sums are ``p1``/``p2`` (as :func:`row_tag` gives it)."""
+    if mode == TAG_KEYED:
+        h1, h2 = nh_header(row64[0], row64[1], row64[2], row64[3], row64[4], key)
+        return keyed_finish(key[0], key[1], h1 + p1, h2 + p2, length)
+    ha, hb = header_sums(row64)
+    # Payload word j has fast-tag index 11 + j: B = Σ (11 + j)·w = 11·A + Σ j·w.
+    return fast_finish(ha + p1, hb + p2 + _U64(11) * p1, length)
+
+
+@njit(inline="always", **EXACT)
+def undo(dst: np.ndarray, save: np.ndarray, count: int) -> None:
+    """Put back what a fused loop overwrote (the tag did not match)."""
+    for j in range(count):
+        dst[j] = save[j]
