@@ -73,8 +73,9 @@ class TransportConfig:
     nic_rate_Bps: float = 0.0  # noqa: N815 (B = bytes)
     """Total sending rate of this rank (its NIC), shared by all peers; 0 = no local cap."""
     tx_quantum_packets: int = 4
-    """Send when this many packets' worth of pacing tokens have accrued (like a GSO burst):
-    fewer, larger batches for the same rate."""
+    """Send when this many packets' worth of pacing tokens have accrued, at the NIC's pacer and
+    toward a peer (like a GSO burst): fewer, larger batches and fewer passes for the same rate.
+    Class 0 and a transfer's last few packets wait for one packet's tokens."""
     rx_coalesce_s: float = 0.0
     """Hold received datagrams up to this long to process them as one batch (like NIC
     interrupt moderation); 0 processes at the next driver call."""

@@ -4,6 +4,8 @@
   puts a front-layer bucket first (its ``send_position`` is its layer position).
 * Class 0 never waits in the sender for a whole pacing quantum: it waits for one datagram's
   tokens, so the switches' priority queues, not the sender, hold it.
+* Bulk sends wait for a quantum at the paths' pacers as at the NIC's (fewer passes, same rate),
+  a transfer's short tail for its own size, and no wait ever fires without sending.
 """
 
 from __future__ import annotations
@@ -111,3 +113,68 @@ def test_urgency_orders_waiting_requests_pinned_then_front_layers_then_arrival()
     flat = make_priority_policy(PriorityConfig(policy="flat"))
     assert [r.bucket for r in sorted(reqs, key=lambda r: urgency(r, default))] == [4, 2, 1, 3, 0]
     assert [r.bucket for r in sorted(reqs, key=lambda r: urgency(r, flat))] == [2, 4, 0, 1, 3]
+
+
+def _path_paced(burst_packets: int, **cfg):
+    """Two cores whose rank 0 is paced by its per-path pacers only (no NIC cap), in quanta of
+    8 datagrams, with buckets of ``burst_packets`` datagrams' worth of tokens."""
+    slot = 256 + HEADER_SIZE
+    return make(
+        2,
+        chunk_bytes=256,
+        pacing=PacingConfig(
+            controller="fixed", initial_rate_Bps=1_000_000.0, burst_bytes=burst_packets * slot
+        ),
+        tx_quantum_packets=8,
+        tick_s=0.5,
+        priority=PriorityConfig(policy="layer"),
+        **cfg,
+    )
+
+
+def _sent(ep, now: float) -> int:
+    """Datagrams of DATA one sending pass hands out."""
+    return sum(len(x) for x in ep.datagrams_to_send(now) if isinstance(x, DatagramRun))
+
+
+def test_path_pacers_batch_sends_as_the_nic_does():
+    """Without a NIC cap, a wake-up with tokens for less than a quantum (an ACK, a read) sends
+    nothing; the timer waits for the quantum, and then a whole quantum goes."""
+    eps = _path_paced(32)
+    sender, slot = eps[0].endpoint.sender, eps[0].config.slot_bytes
+    rng = np.random.default_rng(6)
+    eps[0].start(1, 0, rng.standard_normal(20_000).astype(np.float32), 0.9, now=0.0)
+    assert _sent(eps[0], 0.0) == 32  # the full bucket
+    rate = 1_000_000.0
+    assert _sent(eps[0], 3 * slot / rate) == 0  # three datagrams' tokens: wait on
+    wake = sender.get_timer()
+    assert wake is not None and 7 * slot / rate <= wake <= 9 * slot / rate
+    assert 8 <= _sent(eps[0], wake) <= 9
+
+
+def test_a_transfer_tail_shorter_than_a_quantum_waits_for_its_own_size_only():
+    eps = _path_paced(32)
+    sender, slot = eps[0].endpoint.sender, eps[0].config.slot_bytes
+    rng = np.random.default_rng(7)
+    # The peer's shard is half the bucket: 35 datagrams of 64 floats.
+    eps[0].start(1, 0, rng.standard_normal(2 * 64 * 35).astype(np.float32), 0.9, now=0.0)
+    assert _sent(eps[0], 0.0) == 32  # 35 datagrams: 3 left, fewer than a quantum
+    wake = sender.get_timer()
+    assert wake is not None and wake <= 2 * slot / 1_000_000.0
+    assert _sent(eps[0], wake) >= 1
+
+
+def test_a_bucket_shallower_than_a_quantum_never_spins():
+    """Tokens can never reach a quantum when the bucket holds less: the wait is for the full
+    bucket, and then it sends (a wait that never came true would fire again at once)."""
+    eps = _path_paced(3)
+    sender = eps[0].endpoint.sender
+    rng = np.random.default_rng(8)
+    eps[0].start(1, 0, rng.standard_normal(20_000).astype(np.float32), 0.9, now=0.0)
+    now, sent = 0.0, 0
+    for _ in range(20):
+        sent += _sent(eps[0], now)
+        wake = sender.get_timer()
+        assert wake is not None and wake > now  # every wait moves the clock on
+        now = wake
+    assert sent >= 20

@@ -212,7 +212,7 @@ class ReceiverCore:
                 place=t.gather, stats=t.stats, final=t.final, scale=t.scale,
                 nonfinite=t.nonfinite if t.gather else None, order=t.order,
             )  # fmt: skip
-        kernels.receive_rows(plan, arena, lengths, rows, verdicts)
+        kernels.receive_batch(plan, arena, lengths, rows, verdicts)  # the core's own arrays
         # The ACK state follows the judged rows (see
         # gradlane.transport.kernels.batch.note_arrivals).
         n_ok, n_dup, nbytes, n_end = note_arrivals(

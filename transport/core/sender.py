@@ -390,8 +390,7 @@ class SenderCore:
             self._pace_at = nic.next_send_time(now, quantum)
             return out
         allowance: dict[int, int] = {}
-        blocked: set[int] = set()
-        urgent_blocked = False
+        blocked: dict[int, int] = {}  # peer -> the tokens its next batch waits for
         budget = self.config.burst_packets * self._n_paths
         while heap and budget > 0 and local_left > 0:
             cls, _, _, key = heapq.heappop(heap)
@@ -402,9 +401,11 @@ class SenderCore:
                     self.pacers[(peer, q)].allowance(now) for q in self.net.usable(peer)
                 )
             avail = min(allowance[peer], local_left)
-            if avail <= 0:
-                blocked.add(peer)
-                urgent_blocked |= cls == 0
+            need = self._batch_need(t, cls)
+            if avail <= 0 or not self._peer_ready(peer, need, now):
+                # Too few tokens for a whole batch: wait for them (same rate, fewer passes)
+                # rather than send a datagram or two on every wake-up (an ACK, a read).
+                blocked[peer] = min(blocked.get(peer, need), need)
                 continue
             # The classes after ``cls`` may go in the same batch while no other transfer to
             # this peer has chunks of a class that must precede them: only transfers sharing a
@@ -424,11 +425,28 @@ class SenderCore:
             elif consumed:
                 heapq.heappush(heap, (nxt, t.send_position, t.seq, key))
         if heap or blocked:
-            urgent = urgent_blocked or (bool(heap) and heap[0][0] == 0)
-            self._pace_at = self._wake_time(
-                now, budget, blocked | {k.dst for *_, k in heap}, urgent
-            )
+            waiting = dict(blocked)
+            for c, _, _, k in heap:  # left over when the budget or the NIC ran out
+                t = self.transfers[k]
+                need = self._batch_need(t, c)
+                waiting[k.dst] = min(waiting.get(k.dst, need), need)
+            self._pace_at = self._wake_time(now, budget, waiting)
         return out
+
+    def _peer_ready(self, peer: int, need: int, now: float) -> bool:
+        """Whether a path toward ``peer`` has ``need`` bytes of tokens (capped at its bucket's
+        depth): exactly when :meth:`_wake_time` would say now, so a wait never spins."""
+        return any(
+            self.pacers[(peer, q)].next_send_time(now, need) <= now for q in self.net.usable(peer)
+        )
+
+    def _batch_need(self, t: OutTransfer, cls: int) -> int:
+        """Tokens toward ``t``'s peer that make a send worth a pass: :meth:`_quantum`'s, or
+        one datagram when ``t`` has fewer chunks than a quantum left to send."""
+        left = t.n_chunks - t.cursor + t.n_lost
+        if cls == 0 or left < self.config.tx_quantum_packets:
+            return self.config.slot_bytes
+        return self.config.slot_bytes * self.config.tx_quantum_packets
 
     def _quantum(self, urgent: bool) -> int:
         """Tokens a paced send waits for: a whole quantum (``tx_quantum_packets``: fewer and
@@ -440,17 +458,19 @@ class SenderCore:
             return self.config.slot_bytes
         return self.config.slot_bytes * self.config.tx_quantum_packets
 
-    def _wake_time(self, now: float, budget: int, peers: set[int], urgent: bool = False) -> float:
-        """When sending can resume: now if only the burst budget stopped us, else the pacers
-        (see :meth:`_quantum`)."""
+    def _wake_time(self, now: float, budget: int, needs: dict[int, int]) -> float:
+        """When sending can resume: now if only the burst budget stopped us, else when the NIC
+        has a quantum (see :meth:`_quantum`) and some peer's path has the tokens its next
+        batch waits for (``needs``: peer -> bytes, :meth:`_batch_need`)."""
         if budget <= 0:
             return now
-        slot = self._quantum(urgent)
-        t_nic = self.nic.next_send_time(now, slot) if self.nic is not None else now
+        urgent = any(n <= self.config.slot_bytes for n in needs.values())
+        nic = self.nic
+        t_nic = nic.next_send_time(now, self._quantum(urgent)) if nic is not None else now
         t_peer = min(
             (
-                self.pacers[(p, q)].next_send_time(now, slot)
-                for p in peers
+                self.pacers[(p, q)].next_send_time(now, need)
+                for p, need in needs.items()
                 for q in self.net.usable(p)
             ),
             default=now,
