@@ -543,7 +543,9 @@ def test_keyed_session_accepts_its_key_only() -> None:
     dtype=st.sampled_from(list(DType)),
     gather=st.booleans(),
     keyed=st.booleans(),
-    count=st.integers(1, 37),
+    # Short rows are checked before they are written; from FUSE_MIN_ITEMS floats' worth of
+    # bytes on, the fused loops write first and undo.
+    count=st.one_of(st.integers(1, 37), st.sampled_from([2047, 2048, 2049, 2231, 4096])),
     seed=st.integers(0, 2**32 - 1),
     bit=st.integers(0, 10**6),
 )

@@ -10,12 +10,14 @@ Each batch loop decides a row in two steps. The fast path (:func:`fast_header`) 
 header with what every valid DATA packet of this transfer must carry — three masked u64 words and
 the src/chunk/count/length ranges, branch-free — and, if it matches, only the tag is left to check.
 A row that misses the fast path can never be accepted; the out-of-line :func:`slow_verdict` runs
-the full ordered check to name its reason. A fast row for a slot not yet filled goes through one
-of :mod:`._tagged`'s fused loops, which read each payload word once for the tag sums and the add
-or copy, keeping the slot's old values, and put them back if the tag does not match: the slot,
-contributor count and received bitmap end as if the packet had never come. Checking first and
-writing second read the row twice and ran at about half the speed of ``dst += src``. A duplicate
-(its slot already filled) and an ordered reduction check the tag first (:func:`row_tag`).
+the full ordered check to name its reason. A fast row of at least :data:`FUSE_MIN_ITEMS` floats'
+worth of payload, for a slot not yet filled, goes through one of :mod:`._tagged`'s fused loops,
+which read each payload word once for the tag sums and the add or copy, keeping the slot's old
+values, and put them back if the tag does not match: the slot, contributor count and received
+bitmap end as if the packet had never come. Checking first and
+writing second read the row twice and ran at about half the speed of ``dst += src``. A shorter
+row, a duplicate (its slot already filled) and an ordered reduction check the tag first
+(:func:`row_tag`); only a packet that passed every check is then written, from L1.
 
 The session and transfer travel as one int64 ``spec`` array (``S_*`` indices below) so the kernel
 signature stays stable; the tag key travels as its words (``TagKey.words``). Each kernel copies
@@ -53,6 +55,11 @@ from gradlane.transport.wire.tag import TAG_KEYED
 from numba import njit
 
 _U64 = np.uint64
+
+#: Payload floats (bytes / 4) from which a row goes through a fused check-and-write loop: below,
+#: checking first and writing from L1 after is faster (the fused loop's set-up, its alias
+#: checks and the undo buffer cost more than the second read of a short row).
+FUSE_MIN_ITEMS = 1024
 
 # spec layout: session fields, then transfer fields.
 S_JOB = 0
@@ -485,7 +492,7 @@ def reduce_f32(
         acc = accum[off : off + count]
         pay = af[r, PAYLOAD_WORD : PAYLOAD_WORD + count]
         added = False
-        if fast and not ordered and not received[sr, chunk]:
+        if fast and not ordered and count >= FUSE_MIN_ITEMS and not received[sr, chunk]:
             # The common case: add while checking the tag, undo on a mismatch (_tagged).
             p1, p2 = add_f32(a64[r, PAYLOAD_WORD // 2 :], pay, acc, save, count, mode, kp)
             if tag_of(row64, length, mode, key, p1, p2) == row64[5]:
@@ -502,11 +509,13 @@ def reduce_f32(
         if reason == _OK and not added and received[sr, chunk]:
             reason = _DUPLICATE
         if reason == _OK:
-            # Unordered, the fused loop has added it; a packet reaching here unadded is ordered.
             if ordered:
                 # Complete (contrib == final) only once every sender came: the one that came
                 # last was then the one due, so the ordered sum is finished too.
                 ordered_add(acc, pay, sr, chunk, off, order, pos, stage, staged)
+            elif not added:  # a short row: checked first, added now from L1
+                for j in range(count):
+                    acc[j] += pay[j]
             contrib[chunk] += np.uint16(1)
             if want_stats and contrib[chunk] == final:
                 if scale != one:
@@ -646,20 +655,30 @@ def place_rows(
         sr = src - src_lo
         reason = _DUPLICATE
         if fast and not received[sr, chunk]:
-            # Copy while checking the tag, undo on a mismatch (_tagged).
             off = chunk * ce
             dst = out[off : off + count]
             pay = words[r, first : first + count]
-            p1, p2, bad = copy_words(
-                a64[r, PAYLOAD_WORD // 2 :], pay, dst, save, count, mode, kp, emask
-            )
-            if tag_of(row64, length, mode, key, p1, p2) == row64[5]:
-                reason = _OK
-                if want_nonfinite and bad:
-                    nonfinite[chunk] = 1
-            else:
-                undo(dst, save, count)
-                reason = _BAD_TAG
+            if count * out.itemsize >= FUSE_MIN_ITEMS * 4:
+                # Copy while checking the tag, undo on a mismatch (_tagged).
+                p1, p2, bad = copy_words(
+                    a64[r, PAYLOAD_WORD // 2 :], pay, dst, save, count, mode, kp, emask
+                )
+                good = tag_of(row64, length, mode, key, p1, p2) == row64[5]
+                if not good:
+                    undo(dst, save, count)
+            else:  # a short row: check, then copy from L1
+                good = row_tag(row64, length, mode, key) == row64[5]
+                bad = False
+                if good:
+                    least = emask
+                    for j in range(count):
+                        v = pay[j]
+                        dst[j] = v
+                        least = min(least, ~v & emask)
+                    bad = least == 0
+            reason = _OK if good else _BAD_TAG
+            if good and want_nonfinite and bad:
+                nonfinite[chunk] = 1
         elif fast:
             # A duplicate, unless forged: the tag decides which it is counted as.
             if row_tag(row64, length, mode, key) != row64[5]:
