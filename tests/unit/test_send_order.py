@@ -6,6 +6,8 @@
   tokens, so the switches' priority queues, not the sender, hold it.
 * Bulk sends wait for a quantum at the paths' pacers as at the NIC's (fewer passes, same rate),
   a transfer's short tail for its own size, and no wait ever fires without sending.
+* A collective's reduce data to a peer goes before its gather data to that peer, whatever the
+  chunks' classes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 from gradlane.scheduling.pacing import PacingConfig
 from gradlane.scheduling.priority import PriorityConfig, make_priority_policy
 from gradlane.transport.core.events import DatagramRun
-from gradlane.transport.wire.header import HEADER_SIZE
+from gradlane.transport.core.outgoing import OutKey
+from gradlane.transport.wire.header import HEADER_SIZE, DType, Phase
 
 from tests.support.cores import make
 
@@ -178,3 +181,43 @@ def test_a_bucket_shallower_than_a_quantum_never_spins():
         assert wake is not None and wake > now  # every wait moves the clock on
         now = wake
     assert sent >= 20
+
+
+def _phase_runs(ep, now: float) -> list[int]:
+    """The phase byte of each DATA datagram one sending pass hands out, in order."""
+    phases: list[int] = []
+    for item in ep.datagrams_to_send(now):
+        if isinstance(item, DatagramRun):
+            hdr = np.frombuffer(item.hdr, np.uint8).reshape(-1, HEADER_SIZE)[item.chunks]
+            phases += hdr[:, _PHASE_BYTE].tolist()
+    return phases
+
+
+#: Byte of the header that holds the phase (HEADER_DTYPE's offsets).
+_PHASE_BYTE = 7
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [(Phase.REDUCE, Phase.GATHER), (Phase.PUSH, Phase.PULL)]
+)
+def test_a_collective_s_reduce_data_to_a_peer_goes_before_its_gather_whatever_the_classes(
+    first, second
+):
+    """The peer starts its gather only once every rank's reduce data has come: a rank's
+    pinned (class 0) gather chunks wait behind its least important reduce chunks to that peer,
+    and go as soon as those have all been sent (not acknowledged)."""
+    eps = _path_paced(8)
+    sender = eps[0].endpoint.sender
+    rng = np.random.default_rng(9)
+    shard = rng.standard_normal(64 * 20).astype(np.float32)
+    sender.start(OutKey(1, 0, 1, first, 1), shard, DType.F32, 0.9, 0.0)
+    sender.start(OutKey(1, 0, 0, second, 1), shard.copy(), DType.F32, 0.9, 0.0, pinned=True)
+    now, phases = 0.0, []
+    for _ in range(40):
+        phases += _phase_runs(eps[0], now)
+        wake = sender.get_timer()
+        if wake is None or len(phases) >= 40:
+            break
+        now = max(wake, now)
+    assert len(phases) == 40, phases
+    assert phases == [int(first)] * 20 + [int(second)] * 20, phases

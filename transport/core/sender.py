@@ -47,7 +47,7 @@ from gradlane.transport.core.outgoing import (
 )
 from gradlane.transport.core.peer_paths import PeerPaths
 from gradlane.transport.kernels._ack import note_lanes, note_sent
-from gradlane.transport.wire.header import Kind
+from gradlane.transport.wire.header import Kind, Phase
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
@@ -62,6 +62,10 @@ class _ClassStats:
     retransmitted: np.ndarray
     path_bytes: np.ndarray
     bytes_sent: int = 0
+
+
+#: The phase whose data a second phase's waits behind, per collective and peer.
+_FIRST_PHASE = {int(Phase.GATHER): int(Phase.REDUCE), int(Phase.PULL): int(Phase.PUSH)}
 
 
 class SenderCore:
@@ -393,8 +397,10 @@ class SenderCore:
         blocked: dict[int, int] = {}  # peer -> the tokens its next batch waits for
         budget = self.config.burst_packets * self._n_paths
         while heap and budget > 0 and local_left > 0:
-            cls, _, _, key = heapq.heappop(heap)
+            cls, *_, key = heapq.heappop(heap)
             t = self.transfers[key]
+            if self._behind_first_phase(key):
+                continue  # its turn comes once this collective's reduce data to the peer is out
             peer = key.dst
             if peer not in allowance:
                 allowance[peer] = sum(
@@ -412,7 +418,7 @@ class SenderCore:
             # peer's pacers and paths compete (and all of them when a NIC cap is shared).
             upto = cls
             if nic is None:
-                upto = min((c for c, _, _, k in heap if k.dst == peer), default=MAX_CLASSES) - 1
+                upto = min((c for c, *_, k in heap if k.dst == peer), default=MAX_CLASSES) - 1
             sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out, upto)
             budget -= sent
             allowance[peer] -= nbytes
@@ -426,12 +432,34 @@ class SenderCore:
                 heapq.heappush(heap, (nxt, t.send_position, t.seq, key))
         if heap or blocked:
             waiting = dict(blocked)
-            for c, _, _, k in heap:  # left over when the budget or the NIC ran out
+            for c, *_, k in heap:  # left over when the budget or the NIC ran out
                 t = self.transfers[k]
                 need = self._batch_need(t, c)
                 waiting[k.dst] = min(waiting.get(k.dst, need), need)
             self._pace_at = self._wake_time(now, budget, waiting)
         return out
+
+    def _behind_first_phase(self, key: OutKey) -> bool:
+        """Whether ``key`` is a gather (pull) transfer whose collective still has reduce (push)
+        data to send to the same peer, new or lost: that data goes first, whatever the classes
+        of the chunks. The peer completes its reduce, and so starts sending its gathered shard
+        to everyone, only when all of it has come; our gather data it needs only at the end.
+        Sent the other way round (class first), a bucket's least important reduce chunks
+        waited behind the gather and held up every rank's gather behind them."""
+        first = _FIRST_PHASE.get(key.phase)
+        if first is None:
+            return False
+        for k in self._sendable:
+            if (
+                k.phase == first
+                and k.dst == key.dst
+                and k.step == key.step
+                and k.bucket == key.bucket
+                and k in self.transfers
+                and self.transfers[k].next_class() is not None
+            ):
+                return True
+        return False
 
     def _peer_ready(self, peer: int, need: int, now: float) -> bool:
         """Whether a path toward ``peer`` has ``need`` bytes of tokens (capped at its bucket's

@@ -39,7 +39,7 @@ from gradlane.transport.core.collective import TransposeAllReduce
 from gradlane.transport.core.events import AllReduceComplete, AllReduceFailed, flat
 from gradlane.transport.drivers.udp import mmsg as _mmsg
 from gradlane.transport.drivers.zmq import frames as zmq_batch
-from gradlane.transport.kernels.batch import pass_end_gaps
+from gradlane.transport.kernels.batch import group_rows, pass_end_gaps
 from gradlane.transport.wire.header import (
     N_REASONS,
     DType,
@@ -184,6 +184,14 @@ def _warm_receiver_checks() -> None:
         known=np.ones(2, dtype=bool),
         started=0.0,
         now=1.0,
+    )
+    # A batch whose DATA belongs to several transfers (two buckets, or a peer's reduce and
+    # gather data read together): the exchange's senders send a collective's reduce data
+    # before its gather data, so its batches never mix them. Typed as the endpoint calls it.
+    arena = np.zeros((2, 64), dtype=np.uint8)
+    rows = np.arange(2, dtype=np.int64)
+    group_rows(
+        arena, rows, np.empty(2, np.int64), np.empty((2, 4), np.int64), np.empty(3, np.int64)
     )
     # The ordered reduce's flush of what a missing sender left staged: only a degraded
     # completion with three ranks or more calls it (the two-rank exchange orders nothing).
