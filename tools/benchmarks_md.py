@@ -45,6 +45,9 @@ ABOUT: dict[str, tuple[str, str, str]] = {
         "batch frames (`zmq`) against one packet per frame."),
     "udp_floor": ("Protocol-free UDP floor", "perf.udp_floor", "The transpose all-reduce over "
         "raw UDP with no protocol at all, against gloo: what any Python UDP transport costs."),
+    "paced": ("Paced all-reduce against the link bound", "perf.paced", "One process per "
+        "rank over loopback, each rank's sending paced at a set rate: all-reduce time over the "
+        "time its bytes take at that rate."),
     "testbed_check": ("Testbed self-check", "testbed.selfcheck", "What the emulated leaf-spine "
         "itself delivers: shaping, drops, priority classes, impairment, generator CPU."),
 }
