@@ -7,7 +7,7 @@
 * Bulk sends wait for a quantum at the paths' pacers as at the NIC's (fewer passes, same rate),
   a transfer's short tail for its own size, and no wait ever fires without sending.
 * A collective's reduce data to a peer goes before its gather data to that peer, whatever the
-  chunks' classes.
+  chunks' classes; under a NIC cap, its reduce data to any peer goes before its gather data.
 """
 
 from __future__ import annotations
@@ -221,3 +221,37 @@ def test_a_collective_s_reduce_data_to_a_peer_goes_before_its_gather_whatever_th
         now = max(wake, now)
     assert len(phases) == 40, phases
     assert phases == [int(first)] * 20 + [int(second)] * 20, phases
+
+
+@pytest.mark.parametrize("nic", [True, False], ids=["nic-cap", "no-nic-cap"])
+def test_under_a_nic_cap_the_reduce_data_to_any_peer_goes_before_the_gather(nic):
+    """With one NIC rate for every peer, the gather to one peer would take that rate from the
+    reduce data another peer waits on: it waits too. Without a NIC cap each peer has its own
+    pacers, so the gather to another peer goes at once (its class 0 first)."""
+    cfg = {"nic_rate_Bps": 1_000_000.0} if nic else {}
+    eps = make(
+        3,
+        chunk_bytes=256,
+        pacing=PacingConfig(controller="fixed", initial_rate_Bps=1_000_000.0, burst_bytes=1 << 20),
+        tx_quantum_packets=1,
+        tick_s=0.5,
+        priority=PriorityConfig(policy="layer"),
+        **cfg,
+    )
+    sender = eps[0].endpoint.sender
+    rng = np.random.default_rng(10)
+    shard = rng.standard_normal(64 * 20).astype(np.float32)
+    sender.start(OutKey(1, 0, 2, Phase.REDUCE, 2), shard, DType.F32, 0.9, 0.0)
+    sender.start(OutKey(1, 0, 0, Phase.GATHER, 1), shard.copy(), DType.F32, 0.9, 0.0, pinned=True)
+    now, phases = 0.0, []
+    for _ in range(200):
+        phases += _phase_runs(eps[0], now)
+        wake = sender.get_timer()
+        if wake is None or len(phases) >= 40:
+            break
+        now = max(wake, now)
+    assert sorted(phases) == [0] * 20 + [1] * 20, phases
+    if nic:
+        assert phases == [0] * 20 + [1] * 20, phases
+    else:
+        assert phases[0] == int(Phase.GATHER), phases  # pinned, to its own peer's pacers

@@ -441,18 +441,20 @@ class SenderCore:
 
     def _behind_first_phase(self, key: OutKey) -> bool:
         """Whether ``key`` is a gather (pull) transfer whose collective still has reduce (push)
-        data to send to the same peer, new or lost: that data goes first, whatever the classes
-        of the chunks. The peer completes its reduce, and so starts sending its gathered shard
-        to everyone, only when all of it has come; our gather data it needs only at the end.
-        Sent the other way round (class first), a bucket's least important reduce chunks
-        waited behind the gather and held up every rank's gather behind them."""
+        data to send, new or lost, to the same peer (or to any peer, when a NIC cap makes all
+        of them compete for one rate): that data goes first, whatever the classes of the chunks.
+        A peer completes its reduce, and so starts sending its gathered shard to everyone, only
+        when all of it has come; our gather data it needs only at the end. Sent the other way
+        round (class first), a bucket's least important reduce chunks waited behind the gather
+        and held up every rank's gather behind them."""
         first = _FIRST_PHASE.get(key.phase)
         if first is None:
             return False
+        shared = self.nic is not None  # one NIC cap: every peer's traffic competes for it
         for k in self._sendable:
             if (
                 k.phase == first
-                and k.dst == key.dst
+                and (shared or k.dst == key.dst)
                 and k.step == key.step
                 and k.bucket == key.bucket
                 and k in self.transfers
