@@ -193,6 +193,20 @@ def _phase_runs(ep, now: float) -> list[int]:
     return phases
 
 
+def _phases_until(ep, n: int) -> list[int]:
+    """The phases of the first ``n`` DATA datagrams ``ep`` sends, its sender's timer driving
+    the clock (it must get there: every wait ends in a send)."""
+    sender, now, phases = ep.endpoint.sender, 0.0, []
+    for _ in range(10 * n):
+        phases += _phase_runs(ep, now)
+        wake = sender.get_timer()
+        if wake is None or len(phases) >= n:
+            break
+        now = max(wake, now)
+    assert len(phases) == n, phases
+    return phases
+
+
 #: Byte of the header that holds the phase (HEADER_DTYPE's offsets).
 _PHASE_BYTE = 7
 
@@ -212,14 +226,7 @@ def test_a_collective_s_reduce_data_to_a_peer_goes_before_its_gather_whatever_th
     shard = rng.standard_normal(64 * 20).astype(np.float32)
     sender.start(OutKey(1, 0, 1, first, 1), shard, DType.F32, 0.9, 0.0)
     sender.start(OutKey(1, 0, 0, second, 1), shard.copy(), DType.F32, 0.9, 0.0, pinned=True)
-    now, phases = 0.0, []
-    for _ in range(40):
-        phases += _phase_runs(eps[0], now)
-        wake = sender.get_timer()
-        if wake is None or len(phases) >= 40:
-            break
-        now = max(wake, now)
-    assert len(phases) == 40, phases
+    phases = _phases_until(eps[0], 40)
     assert phases == [int(first)] * 20 + [int(second)] * 20, phases
 
 
@@ -243,13 +250,7 @@ def test_under_a_nic_cap_the_reduce_data_to_any_peer_goes_before_the_gather(nic)
     shard = rng.standard_normal(64 * 20).astype(np.float32)
     sender.start(OutKey(1, 0, 2, Phase.REDUCE, 2), shard, DType.F32, 0.9, 0.0)
     sender.start(OutKey(1, 0, 0, Phase.GATHER, 1), shard.copy(), DType.F32, 0.9, 0.0, pinned=True)
-    now, phases = 0.0, []
-    for _ in range(200):
-        phases += _phase_runs(eps[0], now)
-        wake = sender.get_timer()
-        if wake is None or len(phases) >= 40:
-            break
-        now = max(wake, now)
+    phases = _phases_until(eps[0], 40)
     assert sorted(phases) == [0] * 20 + [1] * 20, phases
     if nic:
         assert phases == [0] * 20 + [1] * 20, phases
