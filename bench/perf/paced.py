@@ -28,10 +28,12 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from gradlane.bench.host import HostWatch
+from gradlane.transport.wire.header import HEADER_SIZE
 
 MB = 1 << 20
 
@@ -46,15 +48,13 @@ def _rank(rank: int, world: int, args: dict[str, Any], peers_q: Any, out: Any) -
     try:
         rate = args["rate_mbit"] * 1e6 / 8
         chunk, paths = args["chunk_bytes"], args["paths"]
-        cfg = loopback_config(
-            n_paths=paths,
-            chunk_bytes=chunk,
-            nic_rate_Bps=rate,
-            burst_packets=64,
+        cfg = loopback_config(n_paths=paths, chunk_bytes=chunk, nic_rate_Bps=rate, burst_packets=64)
+        # Each path's pacer shares the rate; its bucket holds two quanta, as the testbed's does.
+        quanta = 2 * cfg.tx_quantum_packets * cfg.slot_bytes
+        cfg = replace(
+            cfg,
             pacing=PacingConfig(
-                controller="fixed",
-                initial_rate_Bps=rate / paths,
-                burst_bytes=2 * 4 * (chunk + 48),  # two quanta (tx_quantum_packets = 4)
+                controller="fixed", initial_rate_Bps=rate / paths, burst_bytes=quanta
             ),
         )
         plane = UdpPlane(rank, world, cfg)
@@ -120,7 +120,7 @@ def run_one(world: int, args: dict[str, Any]) -> dict[str, Any]:
     n_bytes = int(args["mb"] * MB) // 4 * 4
     sent = 2 * (world - 1) / world * n_bytes
     datagrams = sent / args["chunk_bytes"]
-    bound = (sent + 48 * datagrams) / rate
+    bound = (sent + HEADER_SIZE * datagrams) / rate
     median = statistics.median(slowest)
     return {
         "ranks": world,

@@ -7,7 +7,9 @@ The per-chunk state of each outgoing transfer and its packet headers are
 global: a heap over transfers keyed by (class of the next chunk, layer position, creation order), so
 a front-layer bucket preempts a back-layer one and protected chunks of any bucket go first (the
 policy's ``send_position`` places a transfer within its class: ``flat`` keeps start order);
-retransmissions of a class go before new chunks of that class. Bytes toward a peer are paced
+retransmissions of a class go before new chunks of that class. Within one collective the reduce
+data goes before the gather data, and a pass sends toward a peer only whole batches of tokens:
+:mod:`gradlane.transport.core.send_pass`'s rules. Bytes toward a peer are paced
 per path and spread over paths by :class:`gradlane.scheduling.paths.PathSet`; the per-peer path
 state the sender keeps on top (RTOs, probes, control paths) is
 :mod:`gradlane.transport.core.peer_paths`'s.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 from gradlane.scheduling.loss import LossPolicy
@@ -46,8 +48,9 @@ from gradlane.transport.core.outgoing import (
     SparePayloads,
 )
 from gradlane.transport.core.peer_paths import PeerPaths
+from gradlane.transport.core.send_pass import PaceGate, PhaseOrder, nic_pacer
 from gradlane.transport.kernels._ack import note_lanes, note_sent
-from gradlane.transport.wire.header import Kind, Phase
+from gradlane.transport.wire.header import Kind
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
@@ -62,10 +65,6 @@ class _ClassStats:
     retransmitted: np.ndarray
     path_bytes: np.ndarray
     bytes_sent: int = 0
-
-
-#: The phase whose data a second phase's waits behind, per collective and peer.
-_FIRST_PHASE = {int(Phase.GATHER): int(Phase.REDUCE), int(Phase.PULL): int(Phase.PUSH)}
 
 
 class SenderCore:
@@ -112,16 +111,8 @@ class SenderCore:
         self._tick_at = np.inf
         self._tick_last = np.inf  # the grid's anchor: the last tick (or a first start)
         self._pace_at = np.inf
-        self.nic: Pacer | None = None
-        if config.nic_rate_Bps > 0:
-            nic_cfg = replace(
-                config.pacing,
-                controller="fixed",
-                initial_rate_Bps=config.nic_rate_Bps,
-                max_rate_Bps=max(config.pacing.max_rate_Bps, config.nic_rate_Bps),
-                burst_bytes=max(config.pacing.burst_bytes, 4 * config.slot_bytes),
-            )
-            self.nic = Pacer(nic_cfg)
+        self.nic = nic_pacer(config)
+        self._gate = PaceGate(config, self.pacers, self.nic, self.net.usable)
 
     # -- API used by the endpoint ------------------------------------------------------------
     def loss_bound(self, gather: bool) -> float:
@@ -378,6 +369,8 @@ class SenderCore:
         if not self._sendable:
             return out
         heap: list[tuple[int, float, int, OutKey]] = []
+        nic, gate = self.nic, self._gate
+        order = PhaseOrder(shared=nic is not None)
         for key in list(self._sendable):
             t = self.transfers.get(key)
             cls = t.next_class() if t is not None else None
@@ -385,10 +378,10 @@ class SenderCore:
                 self._sendable.discard(key)
             else:
                 heap.append((cls, t.send_position, t.seq, key))  # type: ignore[union-attr]
+                order.add(key)
         heapq.heapify(heap)
-        nic = self.nic
         local_left = nic.allowance(now) if nic is not None else 1 << 62
-        quantum = self._quantum(bool(heap) and heap[0][0] == 0)
+        quantum = gate.quantum(bool(heap) and heap[0][0] == 0)
         if local_left < quantum and nic is not None:
             # Wait for a whole quantum of tokens: same rate, fewer and larger batches.
             self._pace_at = nic.next_send_time(now, quantum)
@@ -397,20 +390,16 @@ class SenderCore:
         blocked: dict[int, int] = {}  # peer -> the tokens its next batch waits for
         budget = self.config.burst_packets * self._n_paths
         while heap and budget > 0 and local_left > 0:
-            cls, *_, key = heapq.heappop(heap)
+            cls, _, _, key = heapq.heappop(heap)
+            if order.holds_back(key):
+                continue  # its turn comes once this collective's reduce data is out
             t = self.transfers[key]
-            if self._behind_first_phase(key):
-                continue  # its turn comes once this collective's reduce data to the peer is out
             peer = key.dst
             if peer not in allowance:
-                allowance[peer] = sum(
-                    self.pacers[(peer, q)].allowance(now) for q in self.net.usable(peer)
-                )
+                allowance[peer] = gate.allowance(peer, now)
             avail = min(allowance[peer], local_left)
-            need = self._batch_need(t, cls)
-            if avail <= 0 or not self._peer_ready(peer, need, now):
-                # Too few tokens for a whole batch: wait for them (same rate, fewer passes)
-                # rather than send a datagram or two on every wake-up (an ACK, a read).
+            need = gate.batch_need(t, cls)
+            if avail <= 0 or not gate.ready(peer, need, now):
                 blocked[peer] = min(blocked.get(peer, need), need)
                 continue
             # The classes after ``cls`` may go in the same batch while no other transfer to
@@ -418,7 +407,7 @@ class SenderCore:
             # peer's pacers and paths compete (and all of them when a NIC cap is shared).
             upto = cls
             if nic is None:
-                upto = min((c for c, *_, k in heap if k.dst == peer), default=MAX_CLASSES) - 1
+                upto = min((c for c, _, _, k in heap if k.dst == peer), default=MAX_CLASSES) - 1
             sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out, upto)
             budget -= sent
             allowance[peer] -= nbytes
@@ -428,84 +417,15 @@ class SenderCore:
             nxt = t.next_class()
             if nxt is None:
                 self._sendable.discard(key)
+                order.remove(key)
             elif consumed:
                 heapq.heappush(heap, (nxt, t.send_position, t.seq, key))
         if heap or blocked:
-            waiting = dict(blocked)
-            for c, *_, k in heap:  # left over when the budget or the NIC ran out
-                t = self.transfers[k]
-                need = self._batch_need(t, c)
-                waiting[k.dst] = min(waiting.get(k.dst, need), need)
-            self._pace_at = self._wake_time(now, budget, waiting)
+            for c, _, _, k in heap:  # left over when the budget or the NIC ran out
+                need = gate.batch_need(self.transfers[k], c)
+                blocked[k.dst] = min(blocked.get(k.dst, need), need)
+            self._pace_at = gate.wake_time(now, budget, blocked)
         return out
-
-    def _behind_first_phase(self, key: OutKey) -> bool:
-        """Whether ``key`` is a gather (pull) transfer whose collective still has reduce (push)
-        data to send, new or lost, to the same peer (or to any peer, when a NIC cap makes all
-        of them compete for one rate): that data goes first, whatever the classes of the chunks.
-        A peer completes its reduce, and so starts sending its gathered shard to everyone, only
-        when all of it has come; our gather data it needs only at the end. Sent the other way
-        round (class first), a bucket's least important reduce chunks waited behind the gather
-        and held up every rank's gather behind them."""
-        first = _FIRST_PHASE.get(key.phase)
-        if first is None:
-            return False
-        shared = self.nic is not None  # one NIC cap: every peer's traffic competes for it
-        for k in self._sendable:
-            if (
-                k.phase == first
-                and (shared or k.dst == key.dst)
-                and k.step == key.step
-                and k.bucket == key.bucket
-                and k in self.transfers
-                and self.transfers[k].next_class() is not None
-            ):
-                return True
-        return False
-
-    def _peer_ready(self, peer: int, need: int, now: float) -> bool:
-        """Whether a path toward ``peer`` has ``need`` bytes of tokens (capped at its bucket's
-        depth): exactly when :meth:`_wake_time` would say now, so a wait never spins."""
-        return any(
-            self.pacers[(peer, q)].next_send_time(now, need) <= now for q in self.net.usable(peer)
-        )
-
-    def _batch_need(self, t: OutTransfer, cls: int) -> int:
-        """Tokens toward ``t``'s peer that make a send worth a pass: :meth:`_quantum`'s, or
-        one datagram when ``t`` has fewer chunks than a quantum left to send."""
-        left = t.n_chunks - t.cursor + t.n_lost
-        if cls == 0 or left < self.config.tx_quantum_packets:
-            return self.config.slot_bytes
-        return self.config.slot_bytes * self.config.tx_quantum_packets
-
-    def _quantum(self, urgent: bool) -> int:
-        """Tokens a paced send waits for: a whole quantum (``tx_quantum_packets``: fewer and
-        larger batches at the same rate), or one datagram while class 0 waits. Protected
-        chunks must not sit in this sender for a quantum's worth of tokens (at a per-peer share
-        of a 200 Mbit/s link, 64 jumbo datagrams take 70 ms to accrue): they leave as soon as
-        one datagram may, and the switches' priority queues, not the sender, hold them."""
-        if urgent:
-            return self.config.slot_bytes
-        return self.config.slot_bytes * self.config.tx_quantum_packets
-
-    def _wake_time(self, now: float, budget: int, needs: dict[int, int]) -> float:
-        """When sending can resume: now if only the burst budget stopped us, else when the NIC
-        has a quantum (see :meth:`_quantum`) and some peer's path has the tokens its next
-        batch waits for (``needs``: peer -> bytes, :meth:`_batch_need`)."""
-        if budget <= 0:
-            return now
-        urgent = any(n <= self.config.slot_bytes for n in needs.values())
-        nic = self.nic
-        t_nic = nic.next_send_time(now, self._quantum(urgent)) if nic is not None else now
-        t_peer = min(
-            (
-                self.pacers[(p, q)].next_send_time(now, need)
-                for p, need in needs.items()
-                for q in self.net.usable(p)
-            ),
-            default=now,
-        )
-        return max(t_nic, t_peer, now)
 
     def get_timer(self) -> float | None:
         """The housekeeping tick while transfers run, or the pacing release if earlier."""

@@ -148,6 +148,18 @@ def f16_to_f32(h: np.uint16) -> np.float32:
 
 
 @njit(inline="always", **EXACT)
+def fast_word(
+    a: np.uint64, a_hi: np.uint64, b: np.uint64, k: int, v: np.uint64
+) -> tuple[np.uint64, np.uint64, np.uint64]:
+    """:func:`fast_sums64`'s running sums ``(Σ (lo + hi), Σ hi, Σ k·(lo + hi))`` with u64 word
+    ``k`` (``v``) added."""
+    lo = v & _LO32
+    hi = v >> _U64(32)
+    s = lo + hi
+    return a + s, a_hi + hi, b + _U64(k) * s
+
+
+@njit(inline="always", **EXACT)
 def fast_sums64(words64: np.ndarray, n_bytes: int) -> tuple[np.uint64, np.uint64]:
     """Fast-tag sums ``(Σ w, Σ j·w)`` (j from 0) of ``n_bytes`` message bytes read as u64 words.
 
@@ -162,22 +174,11 @@ def fast_sums64(words64: np.ndarray, n_bytes: int) -> tuple[np.uint64, np.uint64
     b = _U64(0)
     n_full = n_bytes >> 3
     for k in range(n_full):
-        v = words64[k]
-        lo = v & _LO32
-        hi = v >> _U64(32)
-        s = lo + hi
-        a += s
-        a_hi += hi
-        b += _U64(k) * s
+        a, a_hi, b = fast_word(a, a_hi, b, k, words64[k])
     rem = n_bytes & 7
     if rem:
         v = words64[n_full] & ((_U64(1) << _U64(8 * rem)) - _U64(1))
-        lo = v & _LO32
-        hi = v >> _U64(32)
-        s = lo + hi
-        a += s
-        a_hi += hi
-        b += _U64(n_full) * s
+        a, a_hi, b = fast_word(a, a_hi, b, n_full, v)
     return a, _U64(2) * b + a_hi
 
 
@@ -202,12 +203,18 @@ def header_sums(row64: np.ndarray) -> tuple[np.uint64, np.uint64]:
 
 
 @njit(inline="always", **EXACT)
-def fast_tag_row(row64: np.ndarray, length: int) -> np.uint64:
-    """Fast tag of the packet in an arena row (``tag.fast_tag``), read as u64 words."""
+def fast_row_finish(row64: np.ndarray, length: int, pa: np.uint64, pb: np.uint64) -> np.uint64:
+    """Fast tag of an arena row from its payload's sums ``(Σ w, Σ j·w)`` (:func:`fast_sums64`)."""
     ha, hb = header_sums(row64)
-    pa, pb = fast_sums64(row64[PAYLOAD_WORD // 2 :], length - 48)
     # Payload word j has index 11 + j: B = Σ (11 + j)·w = 11·A + Σ j·w.
     return fast_finish(ha + pa, hb + pb + _U64(11) * pa, length)
+
+
+@njit(inline="always", **EXACT)
+def fast_tag_row(row64: np.ndarray, length: int) -> np.uint64:
+    """Fast tag of the packet in an arena row (``tag.fast_tag``), read as u64 words."""
+    pa, pb = fast_sums64(row64[PAYLOAD_WORD // 2 :], length - 48)
+    return fast_row_finish(row64, length, pa, pb)
 
 
 @njit(inline="always", **EXACT)
@@ -268,12 +275,20 @@ def nh_header(
 KEY_PAYLOAD = 2 + PAYLOAD_WORD // 2
 
 
+@njit(inline="always", **EXACT)
+def keyed_row_finish(
+    row64: np.ndarray, length: int, key: np.ndarray, p1: np.uint64, p2: np.uint64
+) -> np.uint64:
+    """Keyed tag of an arena row from its payload's two NH sums (:func:`nh_words`)."""
+    h1, h2 = nh_header(row64[0], row64[1], row64[2], row64[3], row64[4], key)
+    return keyed_finish(key[0], key[1], h1 + p1, h2 + p2, length)
+
+
 @njit(**EXACT)
 def keyed_row(row64: np.ndarray, length: int, key: np.ndarray) -> np.uint64:
     """Keyed tag of the packet in an arena row (``tag.keyed_tag``), read as u64 words."""
-    h1, h2 = nh_header(row64[0], row64[1], row64[2], row64[3], row64[4], key)
     p1, p2 = nh_words(row64[PAYLOAD_WORD // 2 :], length - 48, key[KEY_PAYLOAD:])
-    return keyed_finish(key[0], key[1], h1 + p1, h2 + p2, length)
+    return keyed_row_finish(row64, length, key, p1, p2)
 
 
 #: Layout of the header template :func:`finish_packet` takes (uint64[5]): header u64 words 0..2

@@ -28,29 +28,20 @@ from __future__ import annotations
 import numpy as np
 from gradlane.transport.kernels._common import (
     EXACT,
-    header_sums,
-    nh_header,
+    fast_row_finish,
+    fast_word,
+    keyed_row_finish,
 )
-from gradlane.transport.wire.tag import NH_SHIFT, TAG_KEYED, fast_finish, keyed_finish, nh
+from gradlane.transport.wire.tag import NH_SHIFT, TAG_KEYED, nh
 from numba import njit
 
 _U64 = np.uint64
-_LO32 = np.uint64(0xFFFFFFFF)
 
 
 @njit(inline="always", **EXACT)
 def _tail_word(w64: np.ndarray, k: int, n_bytes: int) -> np.uint64:
     """u64 word ``k`` of the payload masked to its first ``n_bytes`` (1..7) bytes."""
     return w64[k] & ((_U64(1) << _U64(8 * n_bytes)) - _U64(1))
-
-
-@njit(inline="always", **EXACT)
-def _fast_word(a: np.uint64, a_hi: np.uint64, b: np.uint64, k: int, v: np.uint64) -> tuple:
-    """Fast-tag sums (Σ, Σ hi, Σ k·(lo + hi)) with u64 word ``k`` (``v``) added."""
-    lo = v & _LO32
-    hi = v >> _U64(32)
-    s = lo + hi
-    return a + s, a_hi + hi, b + _U64(k) * s
 
 
 @njit(inline="always", **EXACT)
@@ -91,7 +82,7 @@ def add_f32(
             _add2(pay, acc, save, k)
     else:
         for k in range(half):
-            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, k, w64[k])
+            s1, a_hi, s2 = fast_word(s1, a_hi, s2, k, w64[k])
             _add2(pay, acc, save, k)
     if count & 1:
         m = _tail_word(w64, half, 4)
@@ -99,7 +90,7 @@ def add_f32(
             s1 += nh(m, kp[half])
             s2 += nh(m, kp[half + NH_SHIFT])
         else:
-            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, half, m)
+            s1, a_hi, s2 = fast_word(s1, a_hi, s2, half, m)
         j = count - 1
         save[j] = acc[j]
         acc[j] += pay[j]
@@ -162,11 +153,11 @@ def copy_words(
             s2 += nh(m, kp[k + NH_SHIFT])
     elif per == 2:
         for k in range(full):
-            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, k, w64[k])
+            s1, a_hi, s2 = fast_word(s1, a_hi, s2, k, w64[k])
             least = _copy2(pay, dst, save, k, least, emask)
     else:
         for k in range(full):
-            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, k, w64[k])
+            s1, a_hi, s2 = fast_word(s1, a_hi, s2, k, w64[k])
     for j in range(2 * full if per == 2 else 0, count):
         v = pay[j]
         save[j] = dst[j]
@@ -179,7 +170,7 @@ def copy_words(
             s1 += nh(m, kp[full])
             s2 += nh(m, kp[full + NH_SHIFT])
         else:
-            s1, a_hi, s2 = _fast_word(s1, a_hi, s2, full, m)
+            s1, a_hi, s2 = fast_word(s1, a_hi, s2, full, m)
     if not keyed:
         s2 = _U64(2) * s2 + a_hi
     return s1, s2, least == 0
@@ -191,11 +182,8 @@ def tag_of(
 ) -> np.uint64:
     """The tag of a row whose payload sums are ``p1``/``p2`` (as :func:`row_tag` gives it)."""
     if mode == TAG_KEYED:
-        h1, h2 = nh_header(row64[0], row64[1], row64[2], row64[3], row64[4], key)
-        return keyed_finish(key[0], key[1], h1 + p1, h2 + p2, length)
-    ha, hb = header_sums(row64)
-    # Payload word j has fast-tag index 11 + j: B = Σ (11 + j)·w = 11·A + Σ j·w.
-    return fast_finish(ha + p1, hb + p2 + _U64(11) * p1, length)
+        return keyed_row_finish(row64, length, key, p1, p2)
+    return fast_row_finish(row64, length, p1, p2)
 
 
 @njit(inline="always", **EXACT)
