@@ -120,8 +120,18 @@ def resnet18_like(width: int = 48, classes: int = 10) -> nn.Module:
         cout = width * 2**stage
         layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
         cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    layers += [GlobalAvgPool(), nn.Linear(cin, classes)]
     return nn.Sequential(*layers)
+
+
+class GlobalAvgPool(nn.Module):
+    """The mean over the spatial dimensions, ``(N, C, H, W) -> (N, C)``: what
+    ``AdaptiveAvgPool2d(1)`` and ``Flatten`` compute, with a backward that CUDA runs
+    deterministically (the adaptive pool's scatters with atomics)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.mean((2, 3))``."""
+        return x.mean((2, 3))
 
 
 class BasicBlock(nn.Module):
@@ -197,6 +207,17 @@ class TimedPlane(PlaneWrapper):
             return busy_s(self._spans.get(step, ()))
 
 
+def deterministic_cuda() -> None:
+    """Make this process's CUDA kernels deterministic (cuDNN's and cuBLAS's choices, and an
+    error from any op without a deterministic kernel), so that the hooks' models can be compared
+    bit-for-bit: otherwise the atomic adds of some kernels alone part two copies of the ResNet
+    by about 5e-4 within 30 steps (H200). Call it before the first cuBLAS use."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
 # -- rank process ----------------------------------------------------------------------------------
 def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: Any) -> None:
     import torch.distributed as dist
@@ -233,6 +254,7 @@ def _measure(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        deterministic_cuda()
 
     def sync() -> None:  # the clock is read only once the device has done the step's work
         if cuda:
@@ -362,6 +384,7 @@ def _environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
     }
 
 

@@ -1,6 +1,6 @@
 """``gradlane.bench.perf.ddp_step`` without running a step: the GPU run's summary from synthetic
-per-step records, the plane's busy time, the options per device, the ResNet's size, and the
-refusal of ``--device cuda`` where torch sees no CUDA device."""
+per-step records, the plane's busy time, the options per device, the ResNet's size and pooling,
+and the refusal of ``--device cuda`` where torch sees no CUDA device."""
 
 from __future__ import annotations
 
@@ -152,6 +152,21 @@ def test_resnet_has_25_mb_of_gradients_and_classifies_32px_images():
     model = ddp_step.build_model("resnet")
     assert sum(p.numel() for p in model.parameters()) == 6_288_442
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_resnet_pools_like_the_adaptive_pool_without_its_atomic_backward():
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, 4, 4, requires_grad=True)
+    y = torch.randn(3, 8, 4, 4, requires_grad=True)
+    w = torch.randn(3, 8)
+    (ddp_step.GlobalAvgPool()(x) * w).sum().backward()
+    (torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())(y) * w).sum().backward()
+    torch.testing.assert_close(
+        ddp_step.GlobalAvgPool()(x), torch.nn.AdaptiveAvgPool2d(1)(x).flatten(1)
+    )
+    torch.testing.assert_close(x.grad, y.grad)
+    pools = [m for m in ddp_step.build_model("resnet").modules() if "Pool" in type(m).__name__]
+    assert [type(m) for m in pools] == [ddp_step.GlobalAvgPool]
 
 
 class _LatePlane:
