@@ -1,4 +1,5 @@
-"""A receiver that reads its sockets late (a loaded host) must not be sent its data again.
+"""A receiver that reads its sockets late (a loaded host), or a path with a deeper queue than
+another, must not be sent its data again.
 
 The sender's retransmission timeout probes before it resends (F-RTO, with the probe of
 RACK-TLP): such a receiver gets one more datagram per path, not the whole shard, while data that was
@@ -194,13 +195,16 @@ def _data_out(ep: Endpoint, now: float) -> list[tuple[int, int]]:
     ]
 
 
-def test_a_late_chunk_a_later_one_overtook_is_resent_at_once_the_rest_probed():
-    """At the first timeout, a late chunk that a later first transmission overtook (on another
-    path, so RACK's per-lane rule cannot tell) is lost: the peer acknowledged what came after
-    it. It is resent at once; the newest chunk, which nothing overtook, is only probed."""
+def _late_pair(also_missing: bool = False, reorder_window_s: float = 0.001):
+    """Rank 0 sends a 3000-float shard over two paths at 0 s; at 1 ms its peer acknowledges all
+    but the newest chunk and the newest chunk of the other path (and, ``also_missing``, the
+    first chunk sent on that other path). Returns the endpoint, the transfer, the sends
+    ``(chunk, path)`` in order, and the missing chunks: newest, the other path's newest, and
+    that path's first (or -1)."""
     cfg = TransportConfig(
-        chunk_bytes=256, n_paths=2, min_rto_s=RTO, priority=PriorityConfig(policy="flat")
-    )
+        chunk_bytes=256, n_paths=2, min_rto_s=RTO, reorder_window_s=reorder_window_s,
+        priority=PriorityConfig(policy="flat"),
+    )  # fmt: skip
     ep = Endpoint(0, 2, cfg)
     data = np.random.default_rng(13).standard_normal(3000).astype(np.float32)
     key = OutKey(1, 0, 1, Phase.REDUCE, 1)
@@ -208,14 +212,55 @@ def test_a_late_chunk_a_later_one_overtook_is_resent_at_once_the_rest_probed():
     sent = _data_out(ep, 0.0)
     assert len(sent) == t.n_chunks and {q for _, q in sent} == {0, 1}
     newest, newest_path = sent[-1]
-    overtaken = next(c for c, q in reversed(sent) if q != newest_path)  # newest on its path
-    assert sent.index((overtaken, 1 - newest_path)) < len(sent) - 2  # later ones were acked
+    other = next(c for c, q in reversed(sent) if q != newest_path)  # newest on its path
+    assert sent.index((other, 1 - newest_path)) < len(sent) - 2  # later ones were acked
+    first = next(c for c, q in sent if q != newest_path) if also_missing else -1
     bits = np.ones(t.n_chunks, dtype=bool)
-    bits[[newest, overtaken]] = False
-    ep.sender.on_ack(key, 0, bits, trigger=sent[0][0], manifest=False, now=0.001)
-    assert t.state[overtaken] == INFLIGHT  # RACK's lanes cannot tell
+    bits[[c for c in (newest, other, first) if c >= 0]] = False
+    trigger = next(c for c, _ in sent if bits[c])
+    ep.sender.on_ack(key, 0, bits, trigger=trigger, manifest=False, now=0.001)
+    return ep, t, sent, newest, other, first
+
+
+def test_a_late_chunk_overtaken_only_on_another_path_is_probed_not_resent():
+    """At the first timeout, a late chunk that later chunks overtook only on the other path is
+    not lost: that path's queue may be shorter. Each path's newest late chunk gets one probe on
+    its own path, and both stay in flight until the ACKs tell."""
+    ep, t, _sent, newest, other, _ = _late_pair()
     ep.sender.handle_timer(1.0)
-    assert t.state[overtaken] == LOST and t.state[newest] == INFLIGHT
+    assert t.state[other] == INFLIGHT and t.state[newest] == INFLIGHT
     out = _data_out(ep, 1.0)
-    assert sorted(c for c, _ in out) == sorted([newest, overtaken])  # a probe and a resend
-    assert (newest, newest_path) in out  # the probe takes the chunk's own path
+    assert sorted(out) == sorted([(newest, int(t.path[newest])), (other, int(t.path[other]))])
+
+
+def test_a_late_chunk_overtaken_in_its_own_lane_is_resent_at_once():
+    """A late chunk that a later first transmission on its own path overtook is lost at the
+    first timeout (that lane is one queue: the peer acknowledged what came after it)."""
+    # RACK's reorder window longer than the test: the timeout's own rule is what resends.
+    ep, t, _sent, newest, other, before = _late_pair(also_missing=True, reorder_window_s=10.0)
+    assert t.path[before] == t.path[other] and t.state[before] == INFLIGHT
+    assert t.overtaken(np.array([before, other, newest]), 1).tolist() == [before]
+    ep.sender.handle_timer(1.0)
+    assert t.state[before] == LOST and t.state[other] == INFLIGHT
+
+
+def test_a_nack_resends_what_the_newest_arrival_overtook_in_its_lane_only():
+    """What a NACK asks for is resent if lost: overtaken in its own lane by the newest chunk
+    the receiver had, or older than its path's smoothed RTT on another lane (that path's
+    queue may be deeper: no evidence), or older than that without a newest chunk at all."""
+    _ep, t, sent, newest, other, before = _late_pair(also_missing=True)
+    p_new = int(t.path[newest])
+    arrived = [c for c, q in sent if q == p_new][-2]  # the receiver's newest, on newest's path
+    earlier = next(c for c, q in sent if q == p_new)  # sent before it on that path
+    idx = np.array([earlier, newest, before, other])
+    floor, srtt = np.full(2, 0.001), np.full(2, 0.005)
+    way = t.on_their_way(idx, arrived, floor, srtt, 1, now=0.003).tolist()
+    # earlier: overtaken in its lane; newest: sent after the arrival, but its lane's 1 ms floor
+    # has passed; before, other: another lane, 3 ms < its path's 5 ms smoothed RTT.
+    assert way == [False, False, True, True]
+    assert t.on_their_way(idx, arrived, floor, srtt, 1, now=0.0005).tolist() == [
+        False, True, True, True,
+    ]  # fmt: skip
+    assert not t.on_their_way(idx, arrived, floor, srtt, 1, now=0.006).any()
+    assert t.on_their_way(idx, -1, floor, srtt, 1, now=0.003).all()
+    assert not t.on_their_way(idx, -1, floor, srtt, 1, now=0.006).any()

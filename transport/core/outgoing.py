@@ -294,12 +294,47 @@ class OutTransfer:
         cum = np.cumsum(self.counts[cand])
         return cand[cum <= self.budget_elems - self.abandoned_elems]
 
-    def overtaken(self, idx: np.ndarray) -> np.ndarray:
-        """The chunks of ``idx`` sent before the newest first transmission acknowledged, on any
-        lane. Only first transmissions count: an ACK cannot say which copy of a resent chunk
-        came."""
-        first = self.tx_seq[(self.state == ACKED) & (self.tx == 1)]
-        return idx[self.tx_seq[idx] < first.max()] if first.size else idx[:0]
+    def overtaken(self, idx: np.ndarray, n_classes: int) -> np.ndarray:
+        """The chunks of ``idx`` sent before a first transmission acknowledged in their own
+        lane (path × ``n_classes`` + class: one FIFO queue). Only first transmissions count:
+        an ACK cannot say which copy of a resent chunk came. Another lane's ACK proves nothing:
+        a chunk on a path with a deeper queue is still on its way when a later one on a
+        shallower path is acknowledged."""
+        first = (self.state == ACKED) & (self.tx == 1)
+        if not first.any() or not idx.size:
+            return idx[:0]
+        lanes = self.path.astype(np.int64) * n_classes + self.prio
+        newest = np.full(self.lane_seq.shape[0], -1, dtype=np.int64)
+        np.maximum.at(newest, lanes[first], self.tx_seq[first])
+        return idx[self.tx_seq[idx] < newest[lanes[idx]]]
+
+    def on_their_way(
+        self,
+        idx: np.ndarray,
+        newest: int,
+        floor: np.ndarray,
+        srtt: np.ndarray,
+        n_classes: int,
+        now: float,
+    ) -> np.ndarray:
+        """Which chunks of ``idx`` a NACK asks for too soon: each may still be on its way.
+
+        ``newest`` is the newest chunk the receiver had when it asked (-1: unknown), ``floor``
+        and ``srtt`` per path the least time a chunk takes (smallest RTT, at least the reorder
+        window) and the smoothed RTT. A chunk that ``newest`` overtook in its own lane (path ×
+        ``n_classes`` + class: one FIFO queue) is lost; one sent after it in that lane is on its
+        way for ``floor``. A chunk on another lane may sit behind a deeper queue there: what
+        arrived over one path says nothing of another's, so it is on its way for its path's
+        smoothed RTT, as every chunk is without ``newest``."""
+        age = now - self.sent_at[idx]
+        path = self.path[idx]
+        if newest < 0:
+            return age < srtt[path]
+        lane = path.astype(np.int64) * n_classes + self.prio[idx]
+        same = lane == int(self.path[newest]) * n_classes + int(self.prio[newest])
+        overtaken = same & (self.tx_seq[idx] < self.tx_seq[newest])
+        wait = np.where(same, floor[path], np.maximum(floor, srtt)[path])
+        return ~overtaken & (age < wait)
 
     def rack_lost(self, n_classes: int, reorder_window_s: float, now: float) -> np.ndarray:
         """In-flight chunks sent before a chunk of their lane that was acknowledged at least

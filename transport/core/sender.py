@@ -16,8 +16,10 @@ state the sender keeps on top (RTOs, probes, control paths) is
 
 Loss detection: RACK (a chunk sent well before the newest acknowledged one on the same path
 and priority class is lost), a retransmission timeout per path, and the receiver's NACKs. A
-timeout resends at once only what a later chunk overtook; for the rest it first sends one probe
-per path and lets the ACKs tell a receiver that reads late from a loss (``_on_timeout``).
+timeout resends at once only what a later chunk overtook in its lane; for the rest it first sends
+one probe per path and lets the ACKs tell a receiver that reads late from a loss
+(``_on_timeout``). Evidence never crosses lanes: with chunks sprayed over paths of unequal
+queues, a later chunk arriving first over a shorter queue says nothing of an earlier one.
 With a loss bound, the sender tells the receiver its protected chunks (MANIFEST, repeated until
 an ACK carries the PROTECTED flag) and, when it has nothing left to send but abandoned chunks, a
 FIN with their bitmap so the receiver can complete at once instead of waiting for a deadline.
@@ -287,9 +289,11 @@ class SenderCore:
 
         ``newest`` is the newest chunk that had reached the receiver when it asked (-1: the
         receiver did not say: nothing came yet, or its sockets were not read to the end since).
-        A chunk this sender last sent before that chunk's last transmission should have
-        arrived: it is lost. One sent after it may still be on its way, if it left less than
-        the path's smallest RTT (at least the reorder window) ago.
+        A chunk this sender last sent before that chunk's last transmission in the same lane
+        (path and class) should have arrived: it is lost. One sent after it there may still be
+        on its way, if it left less than the path's smallest RTT (at least the reorder window)
+        ago; one on another path, if it left less than that path's smoothed RTT ago (a deeper
+        queue there is no loss: :meth:`OutTransfer.on_their_way`).
         Without ``newest`` a chunk sent less than a smoothed RTT ago counts as on its way —
         and on a loaded host the smoothed RTT is mostly scheduling delay, so a resend that is
         lost too would wait for the retransmission timeout while the receiver NACKs in vain.
@@ -302,14 +306,10 @@ class SenderCore:
         idx = bits[: end - base].nonzero()[0] + base
         ps = self.paths[key.dst]
         evidence = 0 <= newest < t.n_chunks
-        if evidence:
-            floor = np.maximum(ps.min_rtts(), self.config.reorder_window_s)
-            floor[~np.isfinite(floor)] = self.config.reorder_window_s
-            overtaken = t.tx_seq[idx] < t.tx_seq[newest]
-            young = ~overtaken & (now - t.sent_at[idx] < floor[t.path[idx]])
-        else:
-            srtt = np.array([ps.rtt_estimate(q) for q in range(self._n_paths)])
-            young = now - t.sent_at[idx] < np.nan_to_num(srtt, nan=0.0)[t.path[idx]]
+        floor = np.maximum(ps.min_rtts(), self.config.reorder_window_s)
+        floor[~np.isfinite(floor)] = self.config.reorder_window_s
+        srtt = np.nan_to_num([ps.rtt_estimate(q) for q in range(self._n_paths)], nan=0.0)
+        young = t.on_their_way(idx, newest if evidence else -1, floor, srtt, len(self._tos), now)
         idx = idx[~((t.state[idx] == INFLIGHT) & young)]
         st = t.state[idx]
         want = idx[(st == INFLIGHT) | (st == ABANDONED)]
@@ -445,7 +445,9 @@ class SenderCore:
         self._now = now
         if now < self._tick_at:
             return
-        self._tick_last = now
+        # The grid's latest point, not ``now``: a driver may call late (input held for
+        # coalescing comes first), and re-anchoring there would shift every later tick.
+        self._tick_last = self._grid_at_or_before(now)
         peers = {t.key.dst for t in self.transfers.values()}
         for peer in peers:
             self.paths[peer].tick(now)
@@ -479,6 +481,19 @@ class SenderCore:
         """Something changed (an ACK, NACK, probe answer, send or new transfer): tick at the
         grid's next point, which then works out when it is next needed."""
         self._tick_at = min(self._tick_at, self._on_grid(now))
+
+    def _grid_at_or_before(self, now: float) -> float:
+        """The grid's last point at or before ``now`` (at least the scheduled tick, which a
+        tick runs at or after), summed step by step as :meth:`_on_grid` sums it."""
+        t = self._tick_at
+        if not np.isfinite(t) or not np.isfinite(now):
+            return now
+        step = self.config.tick_s
+        if now - t > 64 * step:
+            t += (np.floor((now - t) / step) - 1.0) * step
+        while t + step <= now:
+            t += step
+        return float(t)
 
     def _on_grid(self, at: float) -> float:
         """The first tick of the grid after the last one, ``_tick_last + k * tick_s``
@@ -534,8 +549,8 @@ class SenderCore:
         """
         if t.probe_at == np.inf:
             # Lost at once: what the loss bound lets go (nothing to resend), and
-            # what a chunk sent later overtook on any lane (its ACK came: the peer reads).
-            gone = np.union1d(t.tolerable(late), t.overtaken(late))
+            # what a chunk sent later overtook in its lane (its ACK came: the peer reads).
+            gone = np.union1d(t.tolerable(late), t.overtaken(late, len(self._tos)))
             if gone.size:
                 self._declare_lost(t, gone, now)
                 late = np.setdiff1d(late, gone, assume_unique=True)
