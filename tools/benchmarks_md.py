@@ -301,8 +301,30 @@ def readme_block(results: Path = RESULTS) -> str:
                 "(`bench/results/testbed200_congested_ecmp.json`) — gradlane's p99 "
                 f"communication time is {s['p99_ratio_vs_gloo']:.2f}× gloo's and its mean "
                 f"{s['mean_ratio_vs_gloo']:.2f}×; the lowest delivered fraction of a step was "
-                f"{s['delivered_fraction_min']:.5g}."]  # fmt: skip
+                f"{s['delivered_fraction_min']:.5g}." + _ecmp_hash(net)]  # fmt: skip
     return "\n".join([*out, END])
+
+
+def _ecmp_hash(net: Path) -> str:
+    """Where gloo's ECMP hash put its ring in that run, told by its p50 against gloo's over
+    the congested path 0 (``testbed200_congested.json``): per-flow hashing makes it a coin flip
+    per run, and the ratio depends on it."""
+    path0 = net.with_name("testbed200_congested.json")
+    if not path0.exists():
+        return ""
+    ecmp = json.loads(net.read_text())["configs"].get("gloo", {}).get("comm_p50_s")
+    cong = json.loads(path0.read_text())
+    p0 = cong["configs"].get("gloo", {}).get("comm_p50_s")
+    if not ecmp or not p0:
+        return ""
+    where = (
+        "kept gloo's ring off the congested spine" if ecmp < 0.5 * p0
+        else "put gloo's ring across the congested spine"
+    )  # fmt: skip
+    return (f" The hash (per flow, so it differs from run to run) {where} in this run: gloo's "
+            f"p50 {ecmp * 1e3:.0f} ms against {p0 * 1e3:.0f} ms over the congested path 0, where "
+            f"gradlane's p99 is {cong['summary']['p99_ratio_vs_gloo']:.2f}× gloo's "
+            "(`bench/results/testbed200_congested.json`).")  # fmt: skip
 
 
 def with_readme_block(text: str, block: str) -> str:
