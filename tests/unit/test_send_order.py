@@ -8,6 +8,8 @@
   a transfer's short tail for its own size, and no wait ever fires without sending.
 * A collective's reduce data to a peer goes before its gather data to that peer, whatever the
   chunks' classes; under a NIC cap, its reduce data to any peer goes before its gather data.
+* An older step's data goes before a newer step's, whatever the classes: nothing of the newer
+  step takes tokens while the older step's data to that peer waits for them.
 """
 
 from __future__ import annotations
@@ -256,3 +258,33 @@ def test_under_a_nic_cap_the_reduce_data_to_any_peer_goes_before_the_gather(nic)
         assert phases == [0] * 20 + [1] * 20, phases
     else:
         assert phases[0] == int(Phase.GATHER), phases  # pinned, to its own peer's pacers
+
+
+#: Byte of the header that holds the step's low byte (HEADER_DTYPE's offsets).
+_STEP_BYTE = 12
+
+
+@pytest.mark.parametrize("nic", [True, False], ids=["nic-cap", "no-nic-cap"])
+def test_an_older_step_s_data_goes_before_a_newer_step_s_whatever_the_classes(nic):
+    """A rank that completed step 1 starts step 2 while its own gather of step 1 to a peer is
+    still going out: the peer cannot use step 2's data before it has finished step 1, so the
+    old tail goes first, even against the new step's pinned (class 0) chunks."""
+    cfg = {"nic_rate_Bps": 1_000_000.0} if nic else {}
+    eps = _path_paced(8, **cfg)
+    sender = eps[0].endpoint.sender
+    rng = np.random.default_rng(11)
+    shard = rng.standard_normal(64 * 20).astype(np.float32)
+    sender.start(OutKey(1, 0, 0, Phase.GATHER, 1), shard, DType.F32, 0.9, 0.0)
+    sender.start(OutKey(2, 0, 1, Phase.REDUCE, 1), shard.copy(), DType.F32, 0.0, 0.0, pinned=True)
+    steps: list[int] = []
+    now = 0.0
+    for _ in range(400):
+        for item in eps[0].datagrams_to_send(now):
+            if isinstance(item, DatagramRun):
+                hdr = np.frombuffer(item.hdr, np.uint8).reshape(-1, HEADER_SIZE)[item.chunks]
+                steps += hdr[:, _STEP_BYTE].tolist()
+        wake = sender.get_timer()
+        if wake is None or len(steps) >= 40:
+            break
+        now = max(wake, now)
+    assert steps == [1] * 20 + [2] * 20, steps

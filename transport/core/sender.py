@@ -4,12 +4,14 @@ Theory of operation
 -------------------
 The per-chunk state of each outgoing transfer and its packet headers are
 :mod:`gradlane.transport.core.outgoing`'s; this module decides what goes out when. Sending order is
-global: a heap over transfers keyed by (class of the next chunk, layer position, creation order), so
-a front-layer bucket preempts a back-layer one and protected chunks of any bucket go first (the
-policy's ``send_position`` places a transfer within its class: ``flat`` keeps start order);
-retransmissions of a class go before new chunks of that class. Within one collective the reduce
-data goes before the gather data, and a pass sends toward a peer only whole batches of tokens:
-:mod:`gradlane.transport.core.send_pass`'s rules. Bytes toward a peer are paced
+global: a heap over transfers keyed by (step, class of the next chunk, layer position, creation
+order), so an older step's data goes first (a peer cannot use a newer step's before it finished
+the older one), then a front-layer bucket preempts a back-layer one and protected chunks of any
+bucket go first (the policy's ``send_position`` places a transfer within its class: ``flat``
+keeps start order); retransmissions of a class go before new chunks of that class, and nothing
+takes a peer's tokens while data ahead of it to that peer waits for them. Within one collective
+the reduce data goes before the gather data, and a pass sends toward a peer only whole batches of
+tokens: :mod:`gradlane.transport.core.send_pass`'s rules. Bytes toward a peer are paced
 per path and spread over paths by :class:`gradlane.scheduling.paths.PathSet`; the per-peer path
 state the sender keeps on top (RTOs, probes, control paths) is
 :mod:`gradlane.transport.core.peer_paths`'s.
@@ -368,7 +370,11 @@ class SenderCore:
         self._pace_at = np.inf
         if not self._sendable:
             return out
-        heap: list[tuple[int, float, int, OutKey]] = []
+        # Oldest step first, then class, layer position and start order. A peer finishes step
+        # s before it can use anything of s + 1 (it holds that early), so a newer step's data
+        # sent ahead of an older step's unsent tail (a rank that completed s starts s + 1 while
+        # its own gather to a peer is still going out) only delays that peer by as much.
+        heap: list[tuple[int, int, float, int, OutKey]] = []
         nic, gate = self.nic, self._gate
         order = PhaseOrder(shared=nic is not None)
         for key in list(self._sendable):
@@ -377,11 +383,11 @@ class SenderCore:
             if cls is None:
                 self._sendable.discard(key)
             else:
-                heap.append((cls, t.send_position, t.seq, key))  # type: ignore[union-attr]
+                heap.append((key.step, cls, t.send_position, t.seq, key))  # type: ignore[union-attr]
                 order.add(key)
         heapq.heapify(heap)
         local_left = nic.allowance(now) if nic is not None else 1 << 62
-        quantum = gate.quantum(bool(heap) and heap[0][0] == 0)
+        quantum = gate.quantum(bool(heap) and heap[0][1] == 0)
         if local_left < quantum and nic is not None:
             # Wait for a whole quantum of tokens: same rate, fewer and larger batches.
             self._pace_at = nic.next_send_time(now, quantum)
@@ -390,11 +396,15 @@ class SenderCore:
         blocked: dict[int, int] = {}  # peer -> the tokens its next batch waits for
         budget = self.config.burst_packets * self._n_paths
         while heap and budget > 0 and local_left > 0:
-            cls, _, _, key = heapq.heappop(heap)
+            step, cls, _, _, key = heapq.heappop(heap)
             if order.holds_back(key):
                 continue  # its turn comes once this collective's reduce data is out
             t = self.transfers[key]
             peer = key.dst
+            if peer in blocked:
+                # Data ahead of this to the same peer waits for tokens: nothing behind it takes
+                # them first (a newer step's class 0 would otherwise pass an older step's tail).
+                continue
             if peer not in allowance:
                 allowance[peer] = gate.allowance(peer, now)
             avail = min(allowance[peer], local_left)
@@ -402,12 +412,19 @@ class SenderCore:
             if avail <= 0 or not gate.ready(peer, need, now):
                 blocked[peer] = min(blocked.get(peer, need), need)
                 continue
-            # The classes after ``cls`` may go in the same batch while no other transfer to
-            # this peer has chunks of a class that must precede them: only transfers sharing a
-            # peer's pacers and paths compete (and all of them when a NIC cap is shared).
+            # The classes after ``cls`` may go in the same batch while no other transfer of
+            # this step to this peer has chunks of a class that must precede them: only
+            # transfers sharing a peer's pacers and paths compete (and all of them when a NIC
+            # cap is shared); a newer step's never precede.
             upto = cls
             if nic is None:
-                upto = min((c for c, _, _, k in heap if k.dst == peer), default=MAX_CLASSES) - 1
+                upto = (
+                    min(
+                        (c for s_, c, _, _, k in heap if k.dst == peer and s_ == step),
+                        default=MAX_CLASSES,
+                    )
+                    - 1
+                )
             sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out, upto)
             budget -= sent
             allowance[peer] -= nbytes
@@ -419,9 +436,9 @@ class SenderCore:
                 self._sendable.discard(key)
                 order.remove(key)
             elif consumed:
-                heapq.heappush(heap, (nxt, t.send_position, t.seq, key))
+                heapq.heappush(heap, (step, nxt, t.send_position, t.seq, key))
         if heap or blocked:
-            for c, _, _, k in heap:  # left over when the budget or the NIC ran out
+            for _, c, _, _, k in heap:  # left over when the budget or the NIC ran out
                 need = gate.batch_need(self.transfers[k], c)
                 blocked[k.dst] = min(blocked.get(k.dst, need), need)
             self._pace_at = gate.wake_time(now, budget, blocked)
