@@ -185,32 +185,33 @@ def test_a_bucket_shallower_than_a_quantum_never_spins():
     assert sent >= 20
 
 
-def _phase_runs(ep, now: float) -> list[int]:
-    """The phase byte of each DATA datagram one sending pass hands out, in order."""
-    phases: list[int] = []
+#: Bytes of the header that hold the phase and the step's low byte (HEADER_DTYPE's offsets).
+_PHASE_BYTE = 7
+_STEP_BYTE = 12
+
+
+def _header_runs(ep, now: float, byte: int) -> list[int]:
+    """Header byte ``byte`` of each DATA datagram one sending pass hands out, in order."""
+    values: list[int] = []
     for item in ep.datagrams_to_send(now):
         if isinstance(item, DatagramRun):
             hdr = np.frombuffer(item.hdr, np.uint8).reshape(-1, HEADER_SIZE)[item.chunks]
-            phases += hdr[:, _PHASE_BYTE].tolist()
-    return phases
+            values += hdr[:, byte].tolist()
+    return values
 
 
-def _phases_until(ep, n: int) -> list[int]:
-    """The phases of the first ``n`` DATA datagrams ``ep`` sends, its sender's timer driving
-    the clock (it must get there: every wait ends in a send)."""
-    sender, now, phases = ep.endpoint.sender, 0.0, []
+def _sent_until(ep, n: int, byte: int = _PHASE_BYTE) -> list[int]:
+    """Header byte ``byte`` (default: the phase) of the first ``n`` DATA datagrams ``ep`` sends, its
+    sender's timer driving the clock (it must get there: every wait ends in a send)."""
+    sender, now, values = ep.endpoint.sender, 0.0, []
     for _ in range(10 * n):
-        phases += _phase_runs(ep, now)
+        values += _header_runs(ep, now, byte)
         wake = sender.get_timer()
-        if wake is None or len(phases) >= n:
+        if wake is None or len(values) >= n:
             break
         now = max(wake, now)
-    assert len(phases) == n, phases
-    return phases
-
-
-#: Byte of the header that holds the phase (HEADER_DTYPE's offsets).
-_PHASE_BYTE = 7
+    assert len(values) == n, values
+    return values
 
 
 @pytest.mark.parametrize(
@@ -228,7 +229,7 @@ def test_a_collective_s_reduce_data_to_a_peer_goes_before_its_gather_whatever_th
     shard = rng.standard_normal(64 * 20).astype(np.float32)
     sender.start(OutKey(1, 0, 1, first, 1), shard, DType.F32, 0.9, 0.0)
     sender.start(OutKey(1, 0, 0, second, 1), shard.copy(), DType.F32, 0.9, 0.0, pinned=True)
-    phases = _phases_until(eps[0], 40)
+    phases = _sent_until(eps[0], 40)
     assert phases == [int(first)] * 20 + [int(second)] * 20, phases
 
 
@@ -252,16 +253,12 @@ def test_under_a_nic_cap_the_reduce_data_to_any_peer_goes_before_the_gather(nic)
     shard = rng.standard_normal(64 * 20).astype(np.float32)
     sender.start(OutKey(1, 0, 2, Phase.REDUCE, 2), shard, DType.F32, 0.9, 0.0)
     sender.start(OutKey(1, 0, 0, Phase.GATHER, 1), shard.copy(), DType.F32, 0.9, 0.0, pinned=True)
-    phases = _phases_until(eps[0], 40)
+    phases = _sent_until(eps[0], 40)
     assert sorted(phases) == [0] * 20 + [1] * 20, phases
     if nic:
         assert phases == [0] * 20 + [1] * 20, phases
     else:
         assert phases[0] == int(Phase.GATHER), phases  # pinned, to its own peer's pacers
-
-
-#: Byte of the header that holds the step's low byte (HEADER_DTYPE's offsets).
-_STEP_BYTE = 12
 
 
 @pytest.mark.parametrize("nic", [True, False], ids=["nic-cap", "no-nic-cap"])
@@ -276,15 +273,5 @@ def test_an_older_step_s_data_goes_before_a_newer_step_s_whatever_the_classes(ni
     shard = rng.standard_normal(64 * 20).astype(np.float32)
     sender.start(OutKey(1, 0, 0, Phase.GATHER, 1), shard, DType.F32, 0.9, 0.0)
     sender.start(OutKey(2, 0, 1, Phase.REDUCE, 1), shard.copy(), DType.F32, 0.0, 0.0, pinned=True)
-    steps: list[int] = []
-    now = 0.0
-    for _ in range(400):
-        for item in eps[0].datagrams_to_send(now):
-            if isinstance(item, DatagramRun):
-                hdr = np.frombuffer(item.hdr, np.uint8).reshape(-1, HEADER_SIZE)[item.chunks]
-                steps += hdr[:, _STEP_BYTE].tolist()
-        wake = sender.get_timer()
-        if wake is None or len(steps) >= 40:
-            break
-        now = max(wake, now)
+    steps = _sent_until(eps[0], 40, _STEP_BYTE)
     assert steps == [1] * 20 + [2] * 20, steps

@@ -300,13 +300,17 @@ class OutTransfer:
         an ACK cannot say which copy of a resent chunk came. Another lane's ACK proves nothing:
         a chunk on a path with a deeper queue is still on its way when a later one on a
         shallower path is acknowledged."""
-        first = (self.state == ACKED) & (self.tx == 1)
-        if not first.any() or not idx.size:
+        first = ((self.state == ACKED) & (self.tx == 1)).nonzero()[0]
+        if not first.size or not idx.size:
             return idx[:0]
-        lanes = self.path.astype(np.int64) * n_classes + self.prio
         newest = np.full(self.lane_seq.shape[0], -1, dtype=np.int64)
-        np.maximum.at(newest, lanes[first], self.tx_seq[first])
-        return idx[self.tx_seq[idx] < newest[lanes[idx]]]
+        np.maximum.at(newest, self.lanes(first, n_classes), self.tx_seq[first])
+        return idx[self.tx_seq[idx] < newest[self.lanes(idx, n_classes)]]
+
+    def lanes(self, idx: np.ndarray, n_classes: int) -> np.ndarray:
+        """The lane of each chunk of ``idx``: its path × ``n_classes`` + its class (one FIFO
+        queue; the numbering of :attr:`lane_seq` and the RACK kernels)."""
+        return self.path[idx].astype(np.int64) * n_classes + self.prio[idx]
 
     def on_their_way(
         self,
@@ -330,8 +334,7 @@ class OutTransfer:
         path = self.path[idx]
         if newest < 0:
             return age < srtt[path]
-        lane = path.astype(np.int64) * n_classes + self.prio[idx]
-        same = lane == int(self.path[newest]) * n_classes + int(self.prio[newest])
+        same = self.lanes(idx, n_classes) == self.lanes(np.array([newest]), n_classes)[0]
         overtaken = same & (self.tx_seq[idx] < self.tx_seq[newest])
         wait = np.where(same, floor[path], np.maximum(floor, srtt)[path])
         return ~overtaken & (age < wait)

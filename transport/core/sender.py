@@ -71,6 +71,17 @@ class _ClassStats:
     bytes_sent: int = 0
 
 
+def _grid_floor(t: float, step: float, at: float) -> float:
+    """The last point ``t + k * step`` (k >= 0) at or before ``at`` (``t`` itself when ``at``
+    comes sooner than ``t + step``), summed step by step as ticks in a row sum it; far off at
+    once."""
+    if at - t > 64 * step:
+        t += (np.floor((at - t) / step) - 1.0) * step
+    while t + step <= at:
+        t += step
+    return float(t)
+
+
 class SenderCore:
     """All outgoing transfers of one rank; produces DATA and the sender's control packets.
 
@@ -500,17 +511,12 @@ class SenderCore:
         self._tick_at = min(self._tick_at, self._on_grid(now))
 
     def _grid_at_or_before(self, now: float) -> float:
-        """The grid's last point at or before ``now`` (at least the scheduled tick, which a
-        tick runs at or after), summed step by step as :meth:`_on_grid` sums it."""
+        """The grid's last point at or before ``now``: the scheduled tick (a tick runs at or
+        after it) or a later point of its grid."""
         t = self._tick_at
         if not np.isfinite(t) or not np.isfinite(now):
             return now
-        step = self.config.tick_s
-        if now - t > 64 * step:
-            t += (np.floor((now - t) / step) - 1.0) * step
-        while t + step <= now:
-            t += step
-        return float(t)
+        return _grid_floor(t, self.config.tick_s, now)
 
     def _on_grid(self, at: float) -> float:
         """The first tick of the grid after the last one, ``_tick_last + k * tick_s``
@@ -522,11 +528,8 @@ class SenderCore:
             return t
         if at == np.inf:
             return at
-        if at - t > 64 * step:
-            t += (np.floor((at - t) / step) - 1.0) * step
-        while t < at:
-            t += step
-        return float(t)
+        t = _grid_floor(t, step, at)
+        return t if t == at else t + step
 
     # -- internals ---------------------------------------------------------------------------
     def _stats(self, step: int, bucket: int) -> _ClassStats:
