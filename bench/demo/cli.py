@@ -5,7 +5,8 @@ unprivileged user namespaces), else loopback, saying why and how to get the test
 
 ``--network testbed``: real DDP training across an emulated congested leaf-spine
 (:mod:`gradlane.bench.demo.testbed`): one rank per testbed host, each inside its host's network
-namespace, 200 Mbit/s links, UDP cross traffic at ``--congest`` of a link through spine 0, a
+namespace, 200 Mbit/s links, UDP cross traffic at ``--congest`` of a link from host 0 to host 1
+through spine 0 (``--cross-route spine``: on every link of spine 0), a
 model with 4.5 MB of gradients (the network, not the CPU, sets the step time). Three runs from
 the same initialisation on the same batches: gloo over the hosts' ECMP addresses (the baseline,
 hashed over both spines as on a real fabric), gloo on path 0 (through the congested spine), and
@@ -114,6 +115,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--congest",
         type=float,
         help="cross traffic on one spine link, fraction of its rate (default 0.8; testbed 0.7)",
+    )
+    sim.add_argument(
+        "--cross-route",
+        choices=("pair", "spine"),  # gradlane.bench.testbed.crosstraffic.ROUTES (kept lazy)
+        default="pair",
+        help="testbed: where the cross traffic runs: from host 0 to host 1 through spine 0 "
+        "(pair, the default) or on every link of spine 0 (spine: a ring of flows, which any "
+        "gloo connection hashed onto spine 0 meets)",
     )
     sim.add_argument(
         "--link-mbit", type=float, default=200.0, help="testbed link rate (default 200)"
@@ -259,6 +268,7 @@ def _run_testbed(args: argparse.Namespace) -> int:
     from gradlane.bench.demo.testbed import TestbedDemo, run_testbed_demo
     from gradlane.bench.demo.training import DemoError, DemoOptions
     from gradlane.bench.replay.rank_pipes import RankError
+    from gradlane.bench.testbed.crosstraffic import cross_where
     from gradlane.transport.errors import GradlaneError
 
     if args.transport != "udp" or not 0.0 <= args.loss_bound <= 0.5 or args.ranks < 2:
@@ -276,11 +286,13 @@ def _run_testbed(args: argparse.Namespace) -> int:
         target_accuracy=args.target_accuracy,
         timeline=_timeline_path(args),
     )
-    tb = TestbedDemo(hosts=args.ranks, link_mbit=args.link_mbit, cross=args.congest)
+    tb = TestbedDemo(
+        hosts=args.ranks, link_mbit=args.link_mbit, cross=args.congest, route=args.cross_route
+    )
     emit(
         f"gradlane demo: {tb.hosts} hosts of an emulated leaf-spine (network namespaces, 2 "
         f"spines, {tb.link_mbit:g} Mbit/s links), UDP cross traffic at {tb.cross:.0%} of a "
-        "link through spine 0;"
+        f"link {cross_where(tb.route)};"
     )
     emit(
         f"one rank per host trains {_MODEL_TEXT[opts.model]} with DDP on scikit-learn's "

@@ -1,7 +1,7 @@
 """``gradlane demo --network testbed``: the demo's DDP training across a congested testbed.
 
 :func:`run_testbed_demo` brings up a leaf-spine testbed (:mod:`gradlane.bench.testbed.netns`; root,
-or unprivileged user namespaces), starts UDP cross traffic through spine 0, and runs one rank per
+or unprivileged user namespaces), starts UDP cross traffic on spine 0, and runs one rank per
 host *inside the host's namespace* (``python -m gradlane.bench.demo.testbed``, talking to the parent
 through :mod:`gradlane.bench.replay.rank_pipes`). Every rank trains the demo's model from the
 same initialisation on the same batches (:func:`gradlane.bench.demo.training._train`), three
@@ -15,13 +15,15 @@ is the loopback demo's (:func:`gradlane.bench.demo.training._compare`, ``gloo`` 
 the testbed is torn down whatever happens.
 
 ECMP hashes each of gloo's TCP connections onto one spine, and the cross traffic loads only the
-links of its own route (host ``src`` → spine 0 → host ``dst``), so a run may find none of gloo's
+links of its own route by default (host 0 → spine 0 → host 1), so a run may find none of gloo's
 ring on those links (a lucky hash: gloo runs as on a free network) or some of it there (gloo's
-ring runs at that connection's pace). The parent reads the switch ports' counters at gloo's first
-and last progress report; how busy the cross route's busiest link was in between, as a fraction
-of the link rate, is ``gloo_cross_route_busy`` in the summary (:func:`route_busy`): about the
-cross traffic's own share when gloo kept off its links, near 1 when gloo shared one. A reader
-knows which case a comparison is.
+ring runs at that connection's pace). ``route="spine"`` loads every link of spine 0 instead
+(:func:`gradlane.bench.testbed.crosstraffic.load_spine`: a ring of flows), so gloo runs free
+only if the hash keeps all its connections on spine 1. The parent reads the switch ports'
+counters at gloo's first and last progress report; how busy the cross traffic's busiest link
+was in between, as a fraction of the link rate, is ``gloo_cross_route_busy`` in the summary
+(:func:`route_busy`): about the cross traffic's own share when gloo kept off its links, near 1
+when gloo shared one. A reader knows which case a comparison is.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ from typing import Any
 from gradlane.bench.demo.training import DemoOptions, _compare, _train
 from gradlane.bench.replay.rank import NetParams, ReplayConfig, ifname_of, transport_config
 from gradlane.bench.replay.rank_pipes import RankPipes, say
+from gradlane.bench.testbed.crosstraffic import cross_where, route_links
 from gradlane.bench.testbed.netns import ECMP_IFNAME
 
 __all__ = [
     "TESTBED_RUNS",
     "TestbedDemo",
-    "cross_route",
     "main",
     "route_busy",
     "run_testbed_demo",
@@ -58,16 +60,6 @@ TESTBED_RUNS = ("gloo", "gloo_path0", "gradlane")
 #: Seconds without a word from any rank before the demo gives up.
 SILENCE_S = 180.0
 MASTER_PORT = 29410
-
-
-def cross_route(src: int, dst: int, spine: int) -> tuple[str, ...]:
-    """The switch links a cross-traffic flow from host ``src`` to host ``dst`` over ``spine``
-    loads, as ``Testbed.link_stats()`` names them."""
-    return (
-        f"leaf{src}->spine{spine}",
-        f"spine{spine}->leaf{dst}",
-        f"leaf{dst}->host{dst}.p{spine}",
-    )
 
 
 def route_busy(
@@ -96,9 +88,15 @@ class TestbedDemo:
     __test__ = False
 
     def __init__(
-        self, hosts: int = 4, link_mbit: float = 200.0, cross: float = 0.7, queue: int = 1000
+        self,
+        hosts: int = 4,
+        link_mbit: float = 200.0,
+        cross: float = 0.7,
+        queue: int = 1000,
+        route: str = "pair",
     ) -> None:
         self.hosts, self.link_mbit, self.cross, self.queue = hosts, link_mbit, cross, queue
+        self.route = route  # see gradlane.bench.testbed.crosstraffic.ROUTES
 
 
 def run_testbed_demo(
@@ -130,8 +128,8 @@ def run_testbed_demo(
         net = TestbedNetwork(bed, master_port=MASTER_PORT, **TESTBED_TRANSPORT)
         route: tuple[str, ...] = ()
         if tb.cross > 0:
-            flow = bed.cross_traffic(0, tb.cross * tb.link_mbit)
-            route = cross_route(flow.spec.src, flow.spec.dst, flow.spec.spine)
+            flows = bed.load_spine(0, tb.cross * tb.link_mbit, tb.route)
+            route = route_links([(f.spec.src, f.spec.dst) for f in flows], 0)
         master = list(net.master())
         jobs = [
             {
@@ -169,7 +167,9 @@ def run_testbed_demo(
     description = description.replace(
         "gloo over path 0 (spine 0)", "gloo over the ECMP addresses, then over path 0 (spine 0)"
     )
-    out["network"] = f"{description}; UDP cross traffic at {tb.cross:.0%} of a link through spine 0"
+    out["network"] = (
+        f"{description}; UDP cross traffic at {tb.cross:.0%} of a link {cross_where(tb.route)}"
+    )
     return out
 
 

@@ -23,8 +23,9 @@ step 1, ...), so a change in a shared machine's background load hits every confi
 alike and their ratios compare like with like.
 
 Scenarios (``--scenario``, testbed) preset the network and the configurations for the issue's
-targets: ``congested`` (cross traffic at 70% of one spine link: gloo against gradlane bounded and
-reliable), ``clean`` (no cross traffic, buckets back to back: goodput, two paths against one),
+targets: ``congested`` (cross traffic at 70% of a link from host 0 to host 1 through spine 0, or
+on every link of it with ``--cross-route spine``: gloo against gradlane bounded and reliable),
+``clean`` (no cross traffic, buckets back to back: goodput, two paths against one),
 ``priority`` (congested, priority-aware switches: priority on against off).
 """
 
@@ -447,6 +448,13 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     tb.add_argument("--cross", type=float, help="cross traffic on spine 0, fraction of a link")
     tb.add_argument("--cross-proto", choices=("udp", "tcp"), default="udp")
     tb.add_argument(
+        "--cross-route",
+        choices=("pair", "spine"),
+        default="pair",
+        help="host 0 to host 1 through spine 0 (the default) or every link of spine 0 (a ring "
+        "of flows, host h to host h+1)",
+    )
+    tb.add_argument(
         "--tcp-idle-restart",
         action="store_true",
         help="keep Linux's TCP slow start after idle in the hosts (off by default: the "
@@ -552,6 +560,7 @@ def _on_testbed(
     on_progress: Callable[[str, int, int], None],
 ) -> dict[str, Any]:
     """Bring up a testbed (torn down whatever happens), start cross traffic, replay."""
+    from gradlane.bench.testbed.crosstraffic import cross_where
     from gradlane.bench.testbed.netns import Testbed, TestbedSpec, privilege
 
     privilege()  # raises TestbedUnavailable, naming what is missing (root)
@@ -577,9 +586,10 @@ def _on_testbed(
             overrides=overrides,
         )
         if cross > 0:
-            bed.cross_traffic(0, cross * spec.link_mbit, proto=args.cross_proto)
+            bed.load_spine(0, cross * spec.link_mbit, args.cross_route, proto=args.cross_proto)
             net.description += (
-                f"; {args.cross_proto} cross traffic at {cross:.0%} of a link through spine 0"
+                f"; {args.cross_proto} cross traffic at {cross:.0%} of a link "
+                f"{cross_where(args.cross_route)}"
             )
         return run_replay(opts, net, on_progress)
 

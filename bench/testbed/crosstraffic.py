@@ -8,6 +8,11 @@ addresses, so the flow crosses spine ``p`` (leaf ``src`` -> spine ``p`` -> leaf 
 Rates are wire rates (Ethernet header included, as htb counts them), so ``rate_mbit=700`` on a
 1000 Mbit/s link is 70 % of it. :meth:`CrossTraffic.stop` returns both processes' counters;
 the queue drops it caused are in :meth:`gradlane.bench.testbed.netns.Testbed.link_stats`.
+
+A *congested spine* (:func:`load_spine`, the ``spine`` route) is one flow from every host to the
+next over that spine, a ring: every link of the spine, up from each leaf and down to each leaf,
+carries the rate, so any connection an ECMP hash puts on that spine meets it. The ``pair`` route
+is one flow (host ``src`` to host ``dst``), which loads only the links of its own route.
 """
 
 from __future__ import annotations
@@ -21,10 +26,21 @@ from gradlane.bench.testbed.netns import Testbed, finish, read_ready
 from gradlane.bench.testbed.trafficgen import PATTERNS, PROTOS
 from gradlane.transport.errors import ConfigError
 
-__all__ = ["CrossTraffic", "FlowSpec", "start"]
+__all__ = [
+    "ROUTES",
+    "CrossTraffic",
+    "FlowSpec",
+    "cross_where",
+    "load_spine",
+    "route_flows",
+    "route_links",
+    "start",
+]
 
 #: IPv4 + UDP header bytes inside the MTU.
 IP_UDP_HEADERS = 28
+#: Cross-traffic routes over a spine: every link of it (a ring of flows), or one host pair's.
+ROUTES = ("spine", "pair")
 #: Seconds a sender or sink gets to report ``ready``.
 READY_TIMEOUT_S = 20.0
 _next_port = [5200]
@@ -163,3 +179,55 @@ def start(bed: Testbed, spine: int, rate_mbit: float | None, **kw: Any) -> Cross
     flow = CrossTraffic(bed, spec, int(port))
     bed.own(flow)
     return flow.start()
+
+
+def route_flows(hosts: int, route: str, src: int = 0, dst: int = 1) -> list[tuple[int, int]]:
+    """The (source, destination) host pairs of a cross-traffic ``route`` (see :data:`ROUTES`)
+    among ``hosts`` hosts: ``spine`` is the ring ``h -> h+1``, ``pair`` is ``src -> dst``."""
+    if route not in ROUTES:
+        raise ConfigError(f"cross-traffic route must be one of {ROUTES}, got {route!r}")
+    if hosts < 2:
+        raise ConfigError(f"cross traffic needs at least 2 hosts, got {hosts}")
+    if route == "pair":
+        return [(src, dst)]
+    return [(h, (h + 1) % hosts) for h in range(hosts)] if hosts > 2 else [(0, 1), (1, 0)]
+
+
+def cross_where(route: str, spine: int = 0, src: int = 0, dst: int = 1) -> str:
+    """Where a ``route`` puts the cross traffic, in words (for run descriptions)."""
+    if route == "pair":
+        return f"from host {src} to host {dst} through spine {spine}"
+    return f"on every link of spine {spine} (a ring of flows, host h to host h+1)"
+
+
+def route_links(flows: list[tuple[int, int]], spine: int) -> tuple[str, ...]:
+    """The switch links that ``flows`` over ``spine`` load, named as
+    :meth:`gradlane.bench.testbed.netns.Testbed.link_stats` names them."""
+    links: list[str] = []
+    for src, dst in flows:
+        for link in (
+            f"leaf{src}->spine{spine}",
+            f"spine{spine}->leaf{dst}",
+            f"leaf{dst}->host{dst}.p{spine}",
+        ):
+            if link not in links:
+                links.append(link)
+    return tuple(links)
+
+
+def load_spine(
+    bed: Testbed, spine: int, rate_mbit: float, route: str = "spine", **kw: Any
+) -> list[CrossTraffic]:
+    """Cross traffic at ``rate_mbit`` on each flow of ``route`` over ``spine`` (see
+    :func:`route_flows`; ``src``/``dst`` in ``kw`` pick the ``pair``); the flows are started
+    in turn and all stopped if one fails to start."""
+    src, dst = kw.pop("src", 0), kw.pop("dst", 1)
+    flows: list[CrossTraffic] = []
+    try:
+        for s, d in route_flows(bed.spec.hosts, route, src, dst):
+            flows.append(start(bed, spine, rate_mbit, src=s, dst=d, **kw))
+    except BaseException:
+        for flow in flows:
+            flow.stop()
+        raise
+    return flows

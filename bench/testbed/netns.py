@@ -664,6 +664,13 @@ class Testbed:
 
         return start(self, spine, rate_mbit, **kw)
 
+    def load_spine(self, spine: int, rate_mbit: float, route: str = "spine", **kw: Any) -> Any:
+        """Cross traffic on every link of spine ``spine`` (or one ``route="pair"``); see
+        :func:`gradlane.bench.testbed.crosstraffic.load_spine`."""
+        from gradlane.bench.testbed.crosstraffic import load_spine
+
+        return load_spine(self, spine, rate_mbit, route, **kw)
+
     def impair(self, spine: int, loss: float = 0.0, delay_ms: float = 0.0, **kw: Any) -> Any:
         """Random loss and delay on everything crossing spine ``spine``; see
         :func:`gradlane.bench.testbed.impair.start`."""

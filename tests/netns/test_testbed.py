@@ -280,6 +280,24 @@ def test_tcp_cross_traffic_on_off_crosses_its_spine(prefix):
         assert _sent(bed, f"{prefix}-s0/l1") < 50  # ARP and nothing else on the other spine
 
 
+def test_a_congested_spine_carries_cross_traffic_on_every_one_of_its_links(prefix):
+    spec = TestbedSpec(hosts=3, spines=2, link_mbit=200.0, prefix=prefix)
+    with Testbed(spec) as bed:
+        flows = bed.load_spine(0, 50.0)
+        assert [(f.spec.src, f.spec.dst) for f in flows] == [(0, 1), (1, 2), (2, 0)]
+        ups, downs = (
+            [f"{prefix}-l{h}/s0" for h in range(3)],
+            [f"{prefix}-s0/l{h}" for h in range(3)],
+        )
+        _wait(
+            lambda: all(_sent(bed, port) >= 300 for port in ups + downs),
+            "300 packets on every link of spine 0",
+        )
+        stats = [f.stop() for f in flows]
+        assert all(s["sink"]["bytes"] > 0 for s in stats)
+        assert all(_sent(bed, f"{prefix}-s1/l{h}") < 50 for h in range(3))  # spine 1 stayed idle
+
+
 # -- impairment ------------------------------------------------------------------------------
 
 

@@ -4,15 +4,36 @@ pure arithmetic on switch port counters."""
 from __future__ import annotations
 
 import pytest
-from gradlane.bench.demo.testbed import cross_route, route_busy
+from gradlane.bench.demo.testbed import route_busy
+from gradlane.bench.testbed.crosstraffic import route_flows, route_links
+from gradlane.transport.errors import ConfigError
 
 
 def _stats(sent: dict[str, int]) -> dict[str, dict]:
     return {f"ns/{i}": {"link": link, "sent_bytes": n} for i, (link, n) in enumerate(sent.items())}
 
 
+def cross_route(src: int, dst: int, spine: int) -> tuple[str, ...]:
+    return route_links(route_flows(4, "pair", src, dst), spine)
+
+
 def test_the_cross_route_names_the_links_link_stats_reports():
     assert cross_route(0, 1, 0) == ("leaf0->spine0", "spine0->leaf1", "leaf1->host1.p0")
+
+
+def test_a_congested_spine_is_a_ring_that_loads_every_link_of_the_spine_once():
+    assert route_flows(4, "spine") == [(0, 1), (1, 2), (2, 3), (3, 0)]
+    assert route_flows(2, "spine") == [(0, 1), (1, 0)]
+    links = route_links(route_flows(4, "spine"), 1)
+    assert len(links) == len(set(links)) == 12
+    for h in range(4):  # up from each leaf, down to each leaf, and on to each host's rail 1
+        assert {f"leaf{h}->spine1", f"spine1->leaf{h}", f"leaf{h}->host{h}.p1"} <= set(links)
+    # Only its own links for one pair; and a clear error for what cannot be.
+    assert route_flows(3, "pair", 2, 0) == [(2, 0)]
+    with pytest.raises(ConfigError, match="route"):
+        route_flows(4, "ring")
+    with pytest.raises(ConfigError, match="2 hosts"):
+        route_flows(1, "spine")
 
 
 def test_route_busy_is_the_busiest_route_link_over_the_link_rate():
