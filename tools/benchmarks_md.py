@@ -307,8 +307,8 @@ def readme_block(results: Path = RESULTS) -> str:
 
 def _ecmp_hash(net: Path) -> str:
     """Where gloo's ECMP hash put its ring in that run, told by its p50 against gloo's over
-    the congested path 0 (``testbed200_congested.json``): per-flow hashing makes it a coin flip
-    per run, and the ratio depends on it."""
+    the congested path 0 (``testbed200_congested.json``): per-flow hashing makes it a matter of
+    chance per run, and the ratio depends on it."""
     path0 = net.with_name("testbed200_congested.json")
     if not path0.exists():
         return ""
@@ -321,7 +321,9 @@ def _ecmp_hash(net: Path) -> str:
         "kept gloo's ring off the congested spine" if ecmp < 0.5 * p0
         else "put gloo's ring across the congested spine"
     )  # fmt: skip
-    return (f" The hash (per flow, so it differs from run to run) {where} in this run: gloo's "
+    return (" The hash is per flow, so it differs from run to run (gloo's ring is four flows, "
+            "two of which can meet the cross traffic: it does in three runs of four, see "
+            f"[docs/testbed.md](docs/testbed.md)); it {where} in this run: gloo's "
             f"p50 {ecmp * 1e3:.0f} ms against {p0 * 1e3:.0f} ms over the congested path 0, where "
             f"gradlane's p99 is {cong['summary']['p99_ratio_vs_gloo']:.2f}× gloo's "
             "(`bench/results/testbed200_congested.json`).")  # fmt: skip
