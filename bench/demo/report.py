@@ -94,6 +94,13 @@ def table(out: dict[str, Any]) -> None:
             f"gradlane reaches {s['accuracy_target']:.1f}% in {ratio:.2f}x gloo's time; "
             f"step p99 {s['step_p99_ratio_vs_gloo']:.2f}x gloo's"
         )
+    ratio0 = s.get("tta_ratio_vs_gloo_path0")
+    if ratio0 is not None and s.get("step_p99_ratio_vs_gloo_path0") is not None:
+        # The baseline that does not depend on the hash: every connection on the congested spine.
+        emit(
+            f"against gloo on path 0: {ratio0:.2f}x its time to accuracy; step p99 "
+            f"{s['step_p99_ratio_vs_gloo_path0']:.2f}x"
+        )
 
 
 def plot(out: dict[str, Any], path: str | Path) -> bool:

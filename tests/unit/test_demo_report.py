@@ -1,0 +1,41 @@
+"""What ``gradlane demo`` prints after a testbed run, from the committed run's JSON: the table,
+which case gloo's ECMP hash was, and both comparisons (gloo over ECMP, and gloo on path 0, the
+baseline that does not depend on the hash)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from gradlane.bench.demo.report import table
+
+RESULT = Path(__file__).resolve().parents[2] / "bench" / "results" / "demo_testbed.json"
+
+
+@pytest.fixture
+def out() -> dict:
+    return json.loads(RESULT.read_text())
+
+
+def test_the_demo_reports_both_baselines_and_which_case_the_hash_was(out, capsys):
+    table(out)
+    text = capsys.readouterr().out
+    s = out["summary"]
+    assert f"in {s['tta_ratio_vs_gloo']:.2f}x gloo's time" in text
+    assert (
+        f"against gloo on path 0: {s['tta_ratio_vs_gloo_path0']:.2f}x its time to accuracy; "
+        f"step p99 {s['step_p99_ratio_vs_gloo_path0']:.2f}x"
+    ) in text
+    assert "gloo's ring shared a congested link" in text  # busy 1.00 in the committed run
+
+
+def test_a_lucky_hash_is_named_and_a_run_without_path0_prints_no_path0_line(out, capsys):
+    lucky = copy.deepcopy(out)
+    lucky["summary"]["gloo_cross_route_busy"] = lucky["summary"]["cross_share"]
+    del lucky["summary"]["tta_ratio_vs_gloo_path0"]
+    table(lucky)
+    text = capsys.readouterr().out
+    assert "kept gloo's connections off the congested links" in text
+    assert "against gloo on path 0" not in text
