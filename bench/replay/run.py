@@ -49,6 +49,7 @@ from typing import Any, Protocol
 from gradlane.bench.host import HostWatch
 from gradlane.bench.replay.rank import NetParams, ReplayConfig, config_names, describe
 from gradlane.bench.replay.rank_pipes import RankError, RankPipes
+from gradlane.bench.testbed.crosstraffic import ROUTES, cross_where
 from gradlane.integrations.cli.command import RunProgress, emit
 from gradlane.integrations.trace import read_trace
 from gradlane.transport.errors import GradlaneError
@@ -449,7 +450,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     tb.add_argument("--cross-proto", choices=("udp", "tcp"), default="udp")
     tb.add_argument(
         "--cross-route",
-        choices=("pair", "spine"),
+        choices=ROUTES,
         default="pair",
         help="host 0 to host 1 through spine 0 (the default) or every link of spine 0 (a ring "
         "of flows, host h to host h+1)",
@@ -560,7 +561,6 @@ def _on_testbed(
     on_progress: Callable[[str, int, int], None],
 ) -> dict[str, Any]:
     """Bring up a testbed (torn down whatever happens), start cross traffic, replay."""
-    from gradlane.bench.testbed.crosstraffic import cross_where
     from gradlane.bench.testbed.netns import Testbed, TestbedSpec, privilege
 
     privilege()  # raises TestbedUnavailable, naming what is missing (root)

@@ -190,7 +190,7 @@ def route_flows(hosts: int, route: str, src: int = 0, dst: int = 1) -> list[tupl
         raise ConfigError(f"cross traffic needs at least 2 hosts, got {hosts}")
     if route == "pair":
         return [(src, dst)]
-    return [(h, (h + 1) % hosts) for h in range(hosts)] if hosts > 2 else [(0, 1), (1, 0)]
+    return [(h, (h + 1) % hosts) for h in range(hosts)]  # 2 hosts: one flow each way
 
 
 def cross_where(route: str, spine: int = 0, src: int = 0, dst: int = 1) -> str:

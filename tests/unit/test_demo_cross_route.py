@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from gradlane.bench.demo.testbed import route_busy
-from gradlane.bench.testbed.crosstraffic import route_flows, route_links
+from gradlane.bench.testbed.crosstraffic import ROUTES, route_flows, route_links
 from gradlane.transport.errors import ConfigError
 
 
@@ -34,6 +34,19 @@ def test_a_congested_spine_is_a_ring_that_loads_every_link_of_the_spine_once():
         route_flows(4, "ring")
     with pytest.raises(ConfigError, match="2 hosts"):
         route_flows(1, "spine")
+
+
+def test_the_demo_offers_exactly_the_routes_the_testbed_knows():
+    """The demo's CLI names the routes itself (importing the testbed would slow every command's
+    start-up): it must stay in step with the testbed's list."""
+    import argparse
+
+    from gradlane.bench.demo.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    action = next(a for a in p._actions if a.dest == "cross_route")
+    assert set(action.choices) == set(ROUTES) and action.default in ROUTES
 
 
 def test_route_busy_is_the_busiest_route_link_over_the_link_rate():
