@@ -399,6 +399,10 @@ class SenderCore:
         heapq.heapify(heap)
         local_left = nic.allowance(now) if nic is not None else 1 << 62
         quantum = gate.quantum(bool(heap) and heap[0][1] == 0)
+        if nic is not None:
+            # Tokens never exceed the bucket's depth: a quantum deeper than the NIC's bucket
+            # waits for a full bucket (else the wait would come true at once, forever).
+            quantum = min(quantum, int(nic.config.burst_bytes))
         if local_left < quantum and nic is not None:
             # Wait for a whole quantum of tokens: same rate, fewer and larger batches.
             self._pace_at = nic.next_send_time(now, quantum)
