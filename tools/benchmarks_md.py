@@ -312,11 +312,24 @@ def _ecmp_hash(net: Path) -> str:
     path0 = net.with_name("testbed200_congested.json")
     if not path0.exists():
         return ""
-    ecmp = json.loads(net.read_text())["configs"].get("gloo", {}).get("comm_p50_s")
+    doc = json.loads(net.read_text())
+    ecmp = doc["configs"].get("gloo", {}).get("comm_p50_s")
     cong = json.loads(path0.read_text())
     p0 = cong["configs"].get("gloo", {}).get("comm_p50_s")
     if not ecmp or not p0:
         return ""
+    draws = doc["configs"]["gloo"].get("draws") or []
+    per_draw = doc["summary"].get("p99_ratio_vs_gloo_per_draw") or []
+    if len(draws) > 1 and len(per_draw) == len(draws):
+        crossed = sum(d["comm_p50_s"] >= 0.5 * p0 for d in draws)
+        return (" The hash is per flow, so where gloo's ring goes is a draw: the run took "
+                f"{len(draws)}, each over new connections, and the ratios pool their steps. "
+                f"{crossed} of the {len(draws)} put gloo's ring across the congested spine "
+                "(gloo's p50 per draw "
+                + ", ".join(f"{d['comm_p50_s'] * 1e3:.0f}" for d in draws)
+                + f" ms, against {p0 * 1e3:.0f} ms over the congested path 0); gradlane's p99 "
+                "per draw is " + ", ".join(f"{r:.2f}" for r in per_draw) + "× gloo's (see "
+                "[docs/testbed.md](docs/testbed.md)).")  # fmt: skip
     where = (
         "kept gloo's ring off the congested spine" if ecmp < 0.5 * p0
         else "put gloo's ring across the congested spine"

@@ -24,6 +24,12 @@ and the same store carries every engine's bound UDP addresses. For each configur
    bucket ready → last bucket done), each bucket's completion, the protected bucket's latency,
    the delivered fraction and the bytes each path carried (the engine's ``CollectiveReport``).
 
+With ``gloo_draws`` above 1 the gloo configuration's steps are split into that many runs of
+consecutive steps, each over a gloo group of its own (``new_group``: new connections, new source
+ports), warmed with one untimed all-reduce of every bucket. On an ECMP fabric each connection's
+spine follows from a hash of its ports, so each run is one draw of where gloo's flows go; a
+step's record says which draw it belongs to (``draw``).
+
 The *protected* bucket is the front layer's (the one whose span starts at layer position 0: the
 next forward pass needs it first). With priority on it is submitted ``pinned`` — every chunk
 protected, class 0, the highest DSCP — and with priority off like any other (policy ``flat``,
@@ -338,6 +344,9 @@ class _Rank:
         )
         self.dist, self.torch = dist, torch
         self.tensors = {b: torch.from_numpy(buf) for b, buf in self.bufs.items()}
+        self.draws = int(job.get("gloo_draws", 1))
+        self.gloo_group: Any = None  # None: the default group (one draw)
+        self.draw = 0
 
     def run(self) -> None:
         say(type="ready", rank=self.rank)
@@ -384,18 +393,34 @@ class _Rank:
         """Every step of the trace under every configuration in turn (interleaved, so a change
         in the machine's background load hits every configuration alike)."""
         warmup, steps = int(self.job["warmup"]), int(self.job["steps"])
+        per_draw = -(-steps // self.draws)
+        with_gloo = any(cfg.transport == "gloo" for cfg in cfgs)
         t_start = time.monotonic()
         for i in range(-warmup, steps):
             plan = self.plans[i % len(self.plans)]
+            draw = max(i, 0) // per_draw
+            if with_gloo and self.draws > 1 and (self.gloo_group is None or draw != self.draw):
+                self._new_gloo_group(draw)
             for k, (cfg, engine) in enumerate(zip(cfgs, engines, strict=True)):
                 for b, buf in self.bufs.items():
                     buf[:] = self.grads[b]  # untimed: the sums never grow
                 self.dist.barrier()
                 rec = self._step(k * 100_000 + i + warmup + 1, cfg, engine, plan)
                 if i >= 0:
-                    rec.update(type="step", config=cfg.name, rank=self.rank, step=i)
+                    rec.update(type="step", config=cfg.name, rank=self.rank, step=i, draw=draw)
                     rec["t_s"] = rec.pop("t0") - t_start
                     say(**rec)
+
+    def _new_gloo_group(self, draw: int) -> None:
+        """A gloo group of its own for ``draw`` (every rank calls this at the same step), the
+        previous one destroyed; one untimed all-reduce of every bucket opens its connections."""
+        old, self.gloo_group = self.gloo_group, self.dist.new_group(backend="gloo")
+        if old is not None:
+            self.dist.destroy_process_group(old)
+        self.draw = draw
+        for b, t in self.tensors.items():
+            t.copy_(self.torch.from_numpy(self.grads[b]))
+            self.dist.all_reduce(t, group=self.gloo_group)
 
     def _step(self, step_id: int, cfg: ReplayConfig, engine: Any, plan: StepPlan) -> dict[str, Any]:
         protected = plan.protected
@@ -412,7 +437,7 @@ class _Rank:
                 time.sleep(delay)  # the compute the trace recorded before this bucket
             submitted[b] = time.monotonic()
             if engine is None:
-                work = self.dist.all_reduce(self.tensors[b], async_op=True)
+                work = self.dist.all_reduce(self.tensors[b], group=self.gloo_group, async_op=True)
                 waits.append((b, work.get_future().then(lambda _: time.monotonic())))
             else:
                 fut = engine.submit(

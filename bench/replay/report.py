@@ -22,6 +22,11 @@ Summary keys (``null`` when the run lacks the configurations a key compares):
 ``priority_protected_p99_gain`` p99 latency of the protected (front-layer) bucket, priority off
                                (``+flat``: one class, DSCP 0, start order) over on
 =============================  ===================================================================
+
+With gloo's steps split into draws (``--gloo-draws``: each over new connections, so on an ECMP
+fabric each a new hash of its flows onto the spines) the ratios above pool every step, and
+``p99_ratio_vs_gloo_per_draw`` lists the same ratio over each draw's steps (``udp-bounded`` over
+``gloo``); each configuration's ``draws`` holds gloo's percentiles per draw.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ def config_stats(steps: list[dict[str, Any]], world: int, link_Bps: float) -> di
         sum(s["path_bytes"][p] for s in steps if p < len(s["path_bytes"])) for p in range(n_paths)
     ]
     used = sum(1 for b in path_bytes if b > 0)
+    by_draw: dict[int, list[float]] = {}
+    for s in steps:
+        by_draw.setdefault(int(s.get("draw", 0)), []).append(s["comm_s"])
     return {
         "steps": len(steps),
         "comm_p50_s": _pct(comm, 50),
@@ -77,6 +85,11 @@ def config_stats(steps: list[dict[str, Any]], world: int, link_Bps: float) -> di
         "goodput_fraction_of_link": goodput / (link_Bps * max(used, 1)) if link_Bps > 0 else None,
         "path_bytes": path_bytes,
         "paths_used": used,
+        # Per gloo draw (see the module docstring): one entry without draws.
+        "draws": [
+            {"draw": d, "steps": len(c), "comm_p50_s": _pct(c, 50), "comm_p99_s": _pct(c, 99)}
+            for d, c in sorted(by_draw.items())
+        ],
         # CPU seconds of all ranks per second of step: near the machine's core count, the
         # transport (not the network) sets the pace.
         "cpu_cores_busy": sum(s["cpu_s"] for s in steps)
@@ -96,6 +109,16 @@ def _weighted(pairs: list[tuple[float, float]]) -> float | None:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
+
+
+def _per_draw(ours: dict[str, Any] | None, gloo: dict[str, Any] | None) -> list[float] | None:
+    """p99 over each gloo draw's steps, ours over gloo's; None without draws or either side."""
+    if ours is None or gloo is None or len(gloo["draws"]) < 2:
+        return None
+    p99 = {d["draw"]: d["comm_p99_s"] for d in ours["draws"]}
+    return [
+        r for d in gloo["draws"] if (r := _ratio(p99.get(d["draw"]), d["comm_p99_s"])) is not None
+    ]
 
 
 def build(raw: dict[str, Any], command: str) -> dict[str, Any]:
@@ -142,6 +165,7 @@ def build(raw: dict[str, Any], command: str) -> dict[str, Any]:
         "mean_ratio_reliable_vs_gloo": _ratio(
             get("udp-reliable", "comm_mean_s"), get("gloo", "comm_mean_s")
         ),
+        "p99_ratio_vs_gloo_per_draw": _per_draw(stats.get("udp-bounded"), stats.get("gloo")),
     }
     return {
         "summary": summary,
@@ -174,16 +198,28 @@ def table(doc: dict[str, Any]) -> str:
             f"{c['machine_cores_busy'] or 0:>6.2f}  "
             + "/".join(f"{b / 1e6:.0f}MB" for b in c["path_bytes"])
         )
+    gloo = doc["configs"].get("gloo")
+    if gloo is not None and len(gloo["draws"]) > 1:
+        lines.append(
+            "gloo per draw (new connections each; p50/p99 ms): "
+            + ", ".join(
+                f"{d['draw']}: {d['comm_p50_s'] * 1e3:.0f}/{d['comm_p99_s'] * 1e3:.0f}"
+                for d in gloo["draws"]
+            )
+        )
     lines.append("")
+    cores = (doc.get("host") or {}).get("cpus")
     lines.append(
         "ranks/host: CPU cores busy in the rank processes / on the whole machine (softirq "
-        f"forwarding included) of {doc.get('cpus')}; paths: bytes sent per path, all ranks"
+        f"forwarding included) of {cores}; paths: bytes sent per path, all ranks"
     )
     lines.append("summary: " + ", ".join(f"{k}={_fmt(v)}" for k, v in doc["summary"].items()))
     return "\n".join(lines)
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
     return "null" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
 

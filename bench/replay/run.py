@@ -230,10 +230,15 @@ class ReplayOptions:
     seed: int = 0
     timeout_s: float = 600.0
     """Whole-run limit; each collective also has the transport's hard deadline."""
+    gloo_draws: int = 1
+    """gloo's steps in this many runs, each over new connections (on an ECMP fabric, a new draw
+    of the spines its flows hash onto); 1: one group for the whole replay."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.warmup < 0:
             raise ValueError("--steps must be >= 1 and --warmup >= 0")
+        if not 1 <= self.gloo_draws <= self.steps:
+            raise ValueError(f"--gloo-draws must be in [1, --steps = {self.steps}]")
         if not self.configs:
             raise ValueError("no configuration to run")
         for name in self.configs:
@@ -261,6 +266,7 @@ def run_replay(
         "warmup": opts.warmup,
         "seed": opts.seed,
         "timeout_s": opts.timeout_s,
+        "gloo_draws": opts.gloo_draws,
     }
     links: dict[str, Any] = {}
     before = net.link_stats()
@@ -339,6 +345,7 @@ def _merge(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
     n_paths = max(len(r["path_bytes"]) for r in recs)
     return {
         "step": recs[0]["step"],
+        "draw": recs[0].get("draw", 0),
         "t_s": recs[0]["t_s"],
         "comm_s": max(r["comm_s"] for r in recs),
         "comm_s_per_rank": [r["comm_s"] for r in recs],
@@ -467,6 +474,12 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
         default="path0",
         help="gloo over path 0 (spine 0, default) or the hosts' ECMP addresses (hashed)",
     )
+    tb.add_argument(
+        "--gloo-draws",
+        type=int,
+        help="split gloo's steps into this many runs over new connections, each a new draw of "
+        "the spines ECMP hashes them onto (default 4 with --gloo ecmp, else 1)",
+    )
     tb.add_argument("--switch-priority", action="store_true", help="DSCP classes on switch ports")
     tb.add_argument(
         "--pacing",
@@ -507,6 +520,21 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: gloo draws by default over ECMP: with four, all four keep gloo's flows off a congested spine
+#: with probability (1/4)^4 under ``--cross-route pair`` (see docs/testbed.md).
+ECMP_DRAWS = 4
+
+
+def _gloo_draws(args: argparse.Namespace) -> int:
+    """``--gloo-draws``, else :data:`ECMP_DRAWS` over ECMP on the testbed (capped at the steps),
+    else 1."""
+    if args.gloo_draws is not None:
+        return int(args.gloo_draws)
+    if args.network == "testbed" and args.gloo == "ecmp":
+        return min(ECMP_DRAWS, max(args.steps, 1))
+    return 1
+
+
 def run(args: argparse.Namespace) -> int:
     """``gradlane bench replay``: run, print the table, write the report."""
     preset = SCENARIOS.get(args.scenario or "", {})
@@ -521,6 +549,7 @@ def run(args: argparse.Namespace) -> int:
             back_to_back=args.back_to_back or preset.get("back_to_back", False),
             seed=args.seed,
             timeout_s=args.timeout,
+            gloo_draws=_gloo_draws(args),
         )
         read_trace(opts.trace)
     except (ValueError, OSError) as e:

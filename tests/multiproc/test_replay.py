@@ -77,6 +77,20 @@ def test_loopback_replay_of_every_transport(tiny_trace, tmp_path):
     assert s["priority_protected_p99_gain"] is None or s["priority_protected_p99_gain"] > 0
 
 
+@pytest.mark.timeout(180)
+def test_gloo_draws_run_over_new_connections_and_are_reported_apart(tiny_trace):
+    """Two draws: gloo's steps 0-1 over one group, 2-3 over a group opened for them."""
+    opts = ReplayOptions(
+        trace=str(tiny_trace), configs=("gloo", "udp-bounded"), steps=4, warmup=1, gloo_draws=2
+    )
+    doc = replay_report.build(run_replay(opts, LoopbackNetwork(2)), "test command")
+    for name in ("gloo", "udp-bounded"):
+        assert [s["draw"] for s in doc["steps"][name]] == [0, 0, 1, 1]
+    assert [(d["draw"], d["steps"]) for d in doc["configs"]["gloo"]["draws"]] == [(0, 2), (1, 2)]
+    per_draw = doc["summary"]["p99_ratio_vs_gloo_per_draw"]
+    assert len(per_draw) == 2 and all(r > 0 for r in per_draw)
+
+
 @pytest.mark.timeout(120)
 def test_a_failing_rank_is_a_clear_error_and_nothing_is_left(tiny_trace, tmp_path):
     """Rank 1 has no records in this trace: the run fails with its message, it does not hang."""
