@@ -28,9 +28,11 @@ from gradlane.transport.wire.header import (
 from gradlane.transport.wire.tag import TagKey
 
 __all__ = [
+    "after_sent",
     "apply_ack",
     "as_float32",
     "chunk_norms",
+    "fit_chunks",
     "hadamard_forward",
     "hadamard_inverse",
     "local_sum",
@@ -39,6 +41,7 @@ __all__ = [
     "path_assign",
     "path_lossy",
     "path_on_sent",
+    "pick_chunks",
     "place",
     "reduce",
     "signs",
@@ -529,3 +532,58 @@ def note_lanes(
     ahead = newest > lane_seq
     lane_seq[ahead] = newest[ahead]
     lane_at[ahead] = now
+
+
+def pick_chunks(
+    state: np.ndarray,
+    prio: np.ndarray,
+    order: np.ndarray,
+    cursor: int,
+    n_lost: int,
+    cls: int,
+    last: int,
+    budget: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sender's choice of a batch (``kernels._pick.pick_chunks``): the LOST chunks of class
+    ``cls`` (index order, at most ``budget``), then new chunks of ``order[cursor:]`` up to the
+    first outside ``cls .. last``, ``budget`` in all. Returns (retransmissions, new chunks)."""
+    lost = 2  # outgoing.LOST
+    retx = np.empty(0, dtype=np.int64)
+    if n_lost:
+        retx = ((state == lost) & (prio == cls)).nonzero()[0][:budget]
+    fresh = np.empty(0, dtype=np.int64)
+    if retx.size < budget and cursor < order.shape[0]:
+        window = order[cursor : cursor + (budget - retx.size)]
+        other = ((prio[window] < cls) | (prio[window] > last)).nonzero()[0]
+        fresh = window[: other[0]] if other.size else window
+    return retx, fresh
+
+
+def fit_chunks(lengths: np.ndarray, chunks: np.ndarray, avail: int) -> int:
+    """How many of ``chunks`` fit in ``avail`` bytes, at least one (``kernels._pick``)."""
+    if not chunks.size:
+        return 0
+    cum = np.cumsum(lengths[chunks].astype(np.int64))
+    if cum[-1] <= avail:
+        return int(cum.shape[0])
+    return max(int(np.searchsorted(cum, int(avail), side="right")), 1)
+
+
+def after_sent(
+    state: np.ndarray,
+    order: np.ndarray,
+    cursor: int,
+    tx_seq: np.ndarray,
+    next_seq: int,
+    chunks: np.ndarray,
+    lengths: np.ndarray,
+    chunk_bytes: int,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """Sequence numbers into ``tx_seq``; returns the cursor past what is no longer PENDING,
+    and each chunk's payload offset and size (``kernels._pick.after_sent``)."""
+    tx_seq[chunks] = np.arange(next_seq, next_seq + chunks.shape[0])
+    pending = (state[order[cursor:]] == 0).nonzero()[0]
+    cursor = cursor + int(pending[0]) if pending.size else order.shape[0]
+    starts = chunks.astype(np.int64) * chunk_bytes
+    sizes = lengths[chunks].astype(np.int64) - HEADER_SIZE
+    return cursor, starts, sizes

@@ -225,17 +225,28 @@ class OutTransfer:
         self.gather = gather
 
     # -- payload -------------------------------------------------------------------------------
-    def run(self, chunks: np.ndarray, paths: np.ndarray, tos: int) -> DatagramRun:
+    def run(
+        self,
+        chunks: np.ndarray,
+        paths: np.ndarray,
+        tos: int,
+        starts: np.ndarray | None = None,
+        sizes: np.ndarray | None = None,
+    ) -> DatagramRun:
         """The datagrams of ``chunks`` (one each), on ``paths`` with IP TOS ``tos``, as one run:
-        header rows and views of the payload, never copied (the sender's hot path)."""
+        header rows and views of the payload, never copied (the sender's hot path). ``starts``
+        and ``sizes`` (int64: each payload's offset and bytes) when the caller has them."""
         chunks = chunks.astype(np.int64, copy=False)
+        if starts is None or sizes is None:
+            starts = chunks * self.chunk_bytes
+            sizes = self.lengths[chunks].astype(np.int64) - HEADER_SIZE
         return DatagramRun(
             self.hdr_view,
             HEADER_SIZE,
             self.payload,
             chunks,
-            chunks * self.chunk_bytes,
-            self.lengths[chunks].astype(np.int64) - HEADER_SIZE,
+            starts,
+            sizes,
             self.key.dst,
             paths,
             tos,

@@ -54,7 +54,8 @@ from gradlane.transport.core.outgoing import (
 from gradlane.transport.core.peer_paths import PeerPaths
 from gradlane.transport.core.send_pass import PaceGate, PhaseOrder, nic_pacer
 from gradlane.transport.kernels._ack import note_lanes, note_sent
-from gradlane.transport.wire.header import Kind
+from gradlane.transport.kernels._pick import after_sent, fit_chunks, pick_chunks
+from gradlane.transport.wire.header import HEADER_SIZE, Kind
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
@@ -659,34 +660,32 @@ class SenderCore:
         Returns (chunks sent, chunks consumed including skipped ones, bytes sent).
         """
         peer = t.key.dst
-        retx = np.empty(0, dtype=np.int64)
-        if t.n_lost:
-            retx = ((t.state == LOST) & (t.prio == cls)).nonzero()[0][:budget]
-        fresh = np.empty(0, dtype=np.int64)
+        # The class's retransmissions, then new chunks within cls .. upto, cut to the tokens:
+        # one compiled pass (the NumPy formulation is tests/support/naive.py's pick_chunks).
+        picked = np.empty(budget, dtype=np.int64)
+        n_retx, n_fresh = pick_chunks(
+            t.state, t.prio, t.order, t.cursor, t.n_lost, cls, max(cls, upto), budget, picked
+        )
+        chunks = picked[: n_retx + n_fresh]
         skipped = 0
-        if retx.size < budget and t.cursor < t.n_chunks:
-            window = t.order[t.cursor : t.cursor + (budget - retx.size)]
-            last = max(cls, upto)
-            other = ((t.prio[window] < cls) | (t.prio[window] > last)).nonzero()[0]
-            fresh = window[: other[0]] if other.size else window
+        if n_fresh and t.budget_elems > 0 and self.config.skip_late_droppable:
+            fresh = chunks[n_retx:]
             kept = self._skip_late_droppable(t, fresh, now)
             skipped = int(fresh.size - kept.size)
-            fresh = kept
-        chunks = np.concatenate((retx, fresh)) if retx.size else fresh
+            if skipped:
+                chunks = np.concatenate((chunks[:n_retx], kept))
         if chunks.size == 0:
             t.advance_cursor()
             self._maybe_fin(t, now)
             return 0, skipped, 0
-        sizes = t.lengths[chunks].astype(np.int64)
-        cum = np.cumsum(sizes)
-        if cum[-1] <= avail:  # the usual case on a fast path: the whole batch fits
-            fit = int(cum.shape[0])
-        else:  # always make progress: the pacer takes one packet of debt
-            fit = max(int(np.searchsorted(cum, int(avail), side="right")), 1)
-        chunks, sizes = chunks[:fit], sizes[:fit]
-        n_retx = int(min(retx.size, fit))
+        fit = fit_chunks(t.lengths, chunks, int(avail))
+        chunks = chunks[:fit]
+        n_retx = min(n_retx, fit)
+        starts = np.empty(fit, dtype=np.int64)
+        sizes = np.empty(fit, dtype=np.int64)  # payload bytes (the datagram's less the header)
+        lengths = t.lengths[chunks]  # datagram bytes
         if self.config.multipath:
-            paths = self.paths[peer].assign(now=now, sizes=sizes, protected=t.protected[chunks])
+            paths = self.paths[peer].assign(now=now, sizes=lengths, protected=t.protected[chunks])
         else:
             paths = np.full(fit, self.net.usable(peer)[0], dtype=np.int64)
         paths = np.asarray(paths, dtype=np.int64)
@@ -702,10 +701,13 @@ class SenderCore:
         t.n_inflight += fit
         t.n_lost -= n_retx
         self._wake(now)
-        t.tx_seq[chunks] = np.arange(t.next_tx_seq, t.next_tx_seq + fit)
+        # Sequence numbers, the run's payload offsets and sizes, and the cursor past what left.
+        t.cursor = after_sent(
+            t.state, t.order, t.cursor, t.tx_seq, t.next_tx_seq, chunks, t.lengths,
+            t.chunk_bytes, HEADER_SIZE, starts, sizes,
+        )  # fmt: skip
         t.next_tx_seq += fit
-        t.advance_cursor()
-        self.paths[peer].on_sent(paths, sizes, now)
+        self.paths[peer].on_sent(paths, lengths, now)
         for q, nb in enumerate(per_path.tolist()):
             if nb:
                 self.pacers[(peer, q)].consume(nb, now)
@@ -715,7 +717,8 @@ class SenderCore:
         # one run per class: a socket driver sends it with one system call per path and no
         # Python per datagram. New chunks come in class order, so each class is one stretch.
         for a, b in zip(bounds[:n_runs].tolist(), bounds[1 : n_runs + 1].tolist(), strict=True):
-            out.append(t.run(chunks[a:b], paths[a:b], self._tos[int(t.prio[chunks[a]])]))
+            tos = self._tos[int(t.prio[chunks[a]])]
+            out.append(t.run(chunks[a:b], paths[a:b], tos, starts[a:b], sizes[a:b]))
         return fit, fit + skipped, total
 
     def _skip_late_droppable(self, t: OutTransfer, fresh: np.ndarray, now: float) -> np.ndarray:
