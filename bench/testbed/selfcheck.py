@@ -13,7 +13,13 @@ builds a 4-host, 2-spine, 1 Gbit/s testbed and runs, each for
 - ``impair``: 5 % loss on spine 1 under a 900 Mbit/s flow: the fraction the forwarder dropped,
   its packet rate and CPU;
 - ``priority``: on a testbed with ``priority``, 600 Mbit/s of DSCP 46 against 600 Mbit/s of
-  DSCP 8 on one port: what each class delivered and dropped.
+  DSCP 8 on one port: what each class delivered and dropped;
+- ``full_load``: on a testbed at ``--full-load-mbit`` (default 200, the demo's and the replay's
+  rate), every link of both spines at 98 % (a ring of flows over each spine, host h to h+1:
+  each host sends and receives a link's worth on each path, the bytes of a clean all-reduce):
+  what was delivered, the least-loaded switch port, and the whole machine's CPU split (user,
+  system, softirq) and idle cores. It is the floor a transport's own CPU adds to: what the
+  machine spends forwarding and generating the same bytes.
 
 It prints one JSON object (and writes it with ``--json``) whose ``summary`` holds the headline
 ratios. Numbers are wall-clock measurements on a shared machine: compare within one run.
@@ -29,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradlane.bench.host import HostWatch
 from gradlane.bench.testbed.netns import Testbed, TestbedSpec
 
 __all__ = ["add_arguments", "check", "main", "run"]
@@ -78,7 +85,50 @@ def _flow(bed: Testbed, seconds: float, ports: list[str], **kw: Any) -> dict[str
     }
 
 
-def check(seconds: float, prefix: str) -> dict[str, Any]:
+#: Share of each link the full-load check offers (on the wire): below 1 so no queue grows.
+FULL_LOAD_SHARE = 0.98
+_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def _cpu_times() -> list[int]:
+    """The machine's CPU time so far by kind (``/proc/stat``'s first line, in ticks)."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1 : 1 + len(_STAT_FIELDS)]]
+
+
+def full_load(seconds: float, prefix: str, link_mbit: float, hosts: int = 4) -> dict[str, Any]:
+    """Every link of both spines of a ``hosts``-host testbed at :data:`FULL_LOAD_SHARE` of
+    ``link_mbit`` for ``seconds``: delivered fraction, the least-loaded spine port's rate as a
+    fraction of the link, and the whole machine's cores by kind (see the module docstring)."""
+    spec = TestbedSpec(hosts=hosts, spines=2, link_mbit=link_mbit, prefix=prefix)
+    with Testbed(spec) as bed:
+        flows = []
+        try:
+            for spine in range(spec.spines):
+                flows += bed.load_spine(spine, FULL_LOAD_SHARE * link_mbit)
+            before, t0, cpu0 = bed.link_stats(), time.monotonic(), _cpu_times()
+            time.sleep(seconds)  # a measurement window, not synchronisation
+            cpu1, wall, after = _cpu_times(), time.monotonic() - t0, bed.link_stats()
+        finally:
+            stats = [flow.stop() for flow in flows]
+    spine_ports = [p for p in after if p.startswith(f"{prefix}-s")]
+    rates = [_port_delta(before, after, p, wall)["mbit"] / link_mbit for p in spine_ports]
+    ticks = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
+    cores = (os.cpu_count() or 1) / max(sum(ticks), 1)
+    sent = sum(s["sender"]["bytes"] for s in stats)
+    return {
+        "link_mbit": link_mbit,
+        "hosts": hosts,
+        "flows": len(stats),
+        "offered_share": FULL_LOAD_SHARE,
+        "delivered": sum(s["sink"]["bytes"] for s in stats) / max(sent, 1),
+        "spine_port_share_min": min(rates, default=0.0),
+        "spine_port_share_mean": sum(rates) / max(len(rates), 1),
+        "machine_cores": {k: t * cores for k, t in zip(_STAT_FIELDS, ticks, strict=True)},
+    }
+
+
+def check(seconds: float, prefix: str, full_load_mbit: float = 200.0) -> dict[str, Any]:
     """Run every measurement; returns the result object (see the module docstring)."""
     spec = TestbedSpec(hosts=4, spines=2, link_mbit=1000.0, prefix=prefix)
     out: dict[str, Any] = {"spec": spec.__dict__, "seconds": seconds}
@@ -122,6 +172,7 @@ def check(seconds: float, prefix: str) -> dict[str, Any]:
             }
             for name, s, cls in (("dscp46", hi, "dscp46"), ("dscp8", lo, "dscp8"))
         }
+    out["full_load"] = full_load(seconds, prefix, full_load_mbit)
     u7 = out["udp700"]
     out["summary"] = {
         "udp700_sink_mbit": u7["sink_mbit"],
@@ -136,6 +187,11 @@ def check(seconds: float, prefix: str) -> dict[str, Any]:
         "impair_forwarder_overrun": out["impair"]["forwarder"].get("overrun"),
         "priority_delivered_high": out["priority"]["dscp46"]["delivered"],
         "priority_delivered_low": out["priority"]["dscp8"]["delivered"],
+        "full_load_delivered": out["full_load"]["delivered"],
+        "full_load_spine_port_share_min": out["full_load"]["spine_port_share_min"],
+        "full_load_busy_cores": sum(
+            v for k, v in out["full_load"]["machine_cores"].items() if k not in ("idle", "iowait")
+        ),
     }
     return out
 
@@ -145,11 +201,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=3.0, help="length of each measurement")
     p.add_argument("--prefix", default=f"ck{os.getpid() % 100000}", help="namespace prefix")
     p.add_argument("--json", metavar="PATH", help="also write the result here")
+    p.add_argument(
+        "--full-load-mbit",
+        type=float,
+        default=200.0,
+        help="link rate of the full-load check (default 200, the demo's)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the check, print the JSON, write it where ``--json`` says."""
-    result = check(args.seconds, args.prefix)
+    host = HostWatch()
+    result = check(args.seconds, args.prefix, args.full_load_mbit)
+    result["host"] = host.record()
     result["command"] = "python -m gradlane.bench.testbed.selfcheck " + " ".join(sys.argv[1:])
     text = json.dumps(result, indent=1)
     print(text)

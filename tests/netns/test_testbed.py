@@ -298,6 +298,21 @@ def test_a_congested_spine_carries_cross_traffic_on_every_one_of_its_links(prefi
         assert all(_sent(bed, f"{prefix}-s1/l{h}") < 50 for h in range(3))  # spine 1 stayed idle
 
 
+def test_the_full_load_check_fills_every_spine_link_and_accounts_the_machine(prefix):
+    """The self-check's floor: both spines' rings at 98% of a 100 Mbit/s link for a second;
+    every byte arrives, every spine port carries most of its link, the CPU split adds up to
+    the machine's cores, and nothing is left behind."""
+    from gradlane.bench.testbed.selfcheck import full_load
+
+    out = full_load(1.0, prefix, 100.0, hosts=2)
+    assert out["flows"] == 4  # a flow each way between the two hosts, on each spine
+    assert out["delivered"] >= 0.99, out
+    assert out["spine_port_share_min"] >= 0.8, out  # a 1 s window on a shared machine
+    assert sum(out["machine_cores"].values()) == pytest.approx(os.cpu_count() or 1, rel=0.01)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    assert prefix not in names.stdout
+
+
 # -- impairment ------------------------------------------------------------------------------
 
 
