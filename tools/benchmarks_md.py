@@ -335,7 +335,7 @@ def _ecmp_hash(net: Path) -> str:
         else "put gloo's ring across the congested spine"
     )  # fmt: skip
     return (" The hash is per flow, so it differs from run to run (gloo's ring is four flows, "
-            "two of which can meet the cross traffic: it does with probability 3/4, see "
+            "two of which can meet the cross traffic: how often is measured in "
             f"[docs/testbed.md](docs/testbed.md)); it {where} in this run: gloo's "
             f"p50 {ecmp * 1e3:.0f} ms against {p0 * 1e3:.0f} ms over the congested path 0, where "
             f"gradlane's p99 is {cong['summary']['p99_ratio_vs_gloo']:.2f}× gloo's "

@@ -520,8 +520,8 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-#: gloo draws by default over ECMP: with four, all four keep gloo's flows off a congested spine
-#: with probability (1/4)^4 under ``--cross-route pair`` (see docs/testbed.md).
+#: gloo draws by default over ECMP: four new hashes of gloo's connections per replay (how often
+#: one meets the cross traffic is measured in docs/testbed.md).
 ECMP_DRAWS = 4
 
 
