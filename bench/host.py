@@ -14,10 +14,25 @@ import platform
 import sys
 from typing import Any, TextIO
 
-__all__ = ["QUIET_LOAD_PER_CORE", "HostWatch", "cpu_model"]
+__all__ = ["CPU_KINDS", "QUIET_LOAD_PER_CORE", "HostWatch", "cpu_model", "cpu_times"]
 
 #: The 1-minute load average per core above which a benchmark's start counts as busy.
 QUIET_LOAD_PER_CORE = 0.5
+
+
+#: The kinds of CPU time ``/proc/stat`` counts, in its order (the first eight).
+CPU_KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_times() -> dict[str, int]:
+    """The whole machine's CPU time so far by kind (:data:`CPU_KINDS`, in ticks, from Linux's
+    ``/proc/stat``); empty where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1 : 1 + len(CPU_KINDS)]]
+    except (OSError, ValueError):
+        return {}
+    return dict(zip(CPU_KINDS, vals, strict=False))
 
 
 def cpu_model() -> str:

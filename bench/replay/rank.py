@@ -53,6 +53,7 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+from gradlane.bench.host import cpu_times
 from gradlane.bench.replay.rank_pipes import say
 
 __all__ = [
@@ -259,14 +260,10 @@ def describe(cfg: ReplayConfig) -> dict[str, Any]:
 
 # -- the rank process ------------------------------------------------------------------------------
 def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU time of the whole machine so far, from /proc/stat (0s elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return (0, 0)
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-    return (sum(vals) - idle, sum(vals))
+    """(busy, total) CPU time of the whole machine so far (:func:`cpu_times`; 0s elsewhere)."""
+    t = cpu_times()
+    total = sum(t.values())
+    return (total - t.get("idle", 0) - t.get("iowait", 0), total)
 
 
 def cores_busy(a: tuple[int, int], b: tuple[int, int]) -> float:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradlane.bench.host import HostWatch
+from gradlane.bench.host import HostWatch, cpu_times
 from gradlane.bench.testbed.netns import Testbed, TestbedSpec
 
 __all__ = ["add_arguments", "check", "main", "run"]
@@ -87,13 +87,6 @@ def _flow(bed: Testbed, seconds: float, ports: list[str], **kw: Any) -> dict[str
 
 #: Share of each link the full-load check offers (on the wire): below 1 so no queue grows.
 FULL_LOAD_SHARE = 0.98
-_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-
-
-def _cpu_times() -> list[int]:
-    """The machine's CPU time so far by kind (``/proc/stat``'s first line, in ticks)."""
-    with open("/proc/stat") as f:
-        return [int(x) for x in f.readline().split()[1 : 1 + len(_STAT_FIELDS)]]
 
 
 def full_load(seconds: float, prefix: str, link_mbit: float, hosts: int = 4) -> dict[str, Any]:
@@ -106,15 +99,16 @@ def full_load(seconds: float, prefix: str, link_mbit: float, hosts: int = 4) -> 
         try:
             for spine in range(spec.spines):
                 flows += bed.load_spine(spine, FULL_LOAD_SHARE * link_mbit)
-            before, t0, cpu0 = bed.link_stats(), time.monotonic(), _cpu_times()
+            before, t0, cpu0 = bed.link_stats(), time.monotonic(), cpu_times()
             time.sleep(seconds)  # a measurement window, not synchronisation
-            cpu1, wall, after = _cpu_times(), time.monotonic() - t0, bed.link_stats()
+            cpu1, wall, after = cpu_times(), time.monotonic() - t0, bed.link_stats()
         finally:
             stats = [flow.stop() for flow in flows]
     spine_ports = [p for p in after if p.startswith(f"{prefix}-s")]
     rates = [_port_delta(before, after, p, wall)["mbit"] / link_mbit for p in spine_ports]
-    ticks = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
-    cores = (os.cpu_count() or 1) / max(sum(ticks), 1)
+    ticks = {k: cpu1[k] - cpu0[k] for k in cpu1}
+    per_tick = (os.cpu_count() or 1) / max(sum(ticks.values()), 1)
+    machine = {k: t * per_tick for k, t in ticks.items()}
     sent = sum(s["sender"]["bytes"] for s in stats)
     return {
         "link_mbit": link_mbit,
@@ -124,7 +118,8 @@ def full_load(seconds: float, prefix: str, link_mbit: float, hosts: int = 4) -> 
         "delivered": sum(s["sink"]["bytes"] for s in stats) / max(sent, 1),
         "spine_port_share_min": min(rates, default=0.0),
         "spine_port_share_mean": sum(rates) / max(len(rates), 1),
-        "machine_cores": {k: t * cores for k, t in zip(_STAT_FIELDS, ticks, strict=True)},
+        "machine_cores": machine,
+        "busy_cores": sum(v for k, v in machine.items() if k not in ("idle", "iowait")),
     }
 
 
@@ -189,9 +184,7 @@ def check(seconds: float, prefix: str, full_load_mbit: float = 200.0) -> dict[st
         "priority_delivered_low": out["priority"]["dscp8"]["delivered"],
         "full_load_delivered": out["full_load"]["delivered"],
         "full_load_spine_port_share_min": out["full_load"]["spine_port_share_min"],
-        "full_load_busy_cores": sum(
-            v for k, v in out["full_load"]["machine_cores"].items() if k not in ("idle", "iowait")
-        ),
+        "full_load_busy_cores": out["full_load"]["busy_cores"],
     }
     return out
 

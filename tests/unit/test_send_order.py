@@ -169,20 +169,26 @@ def test_a_transfer_tail_shorter_than_a_quantum_waits_for_its_own_size_only():
     assert _sent(eps[0], wake) >= 1
 
 
-def test_a_bucket_shallower_than_a_quantum_never_spins():
-    """Tokens can never reach a quantum when the bucket holds less: the wait is for the full
-    bucket, and then it sends (a wait that never came true would fire again at once)."""
-    eps = _path_paced(3)
+def _sends_without_spinning(eps, seed: int) -> None:
+    """Rank 0 starts a back-layer bucket; over 20 wake-ups every wait moves the clock on (a
+    wait that never came true would fire again at once) and data goes out."""
     sender = eps[0].endpoint.sender
-    rng = np.random.default_rng(8)
+    rng = np.random.default_rng(seed)
     eps[0].start(1, 0, rng.standard_normal(20_000).astype(np.float32), 0.9, now=0.0)
     now, sent = 0.0, 0
     for _ in range(20):
         sent += _sent(eps[0], now)
         wake = sender.get_timer()
-        assert wake is not None and wake > now  # every wait moves the clock on
+        assert wake is not None and wake > now
         now = wake
     assert sent >= 20
+
+
+def test_a_bucket_shallower_than_a_quantum_never_spins():
+    """Tokens can never reach a quantum when the bucket holds less: the wait is for the full
+    bucket, and then it sends (a wait that never came true would fire again at once)."""
+    eps = _path_paced(3)
+    _sends_without_spinning(eps, seed=8)
 
 
 def test_a_nic_bucket_shallower_than_a_quantum_never_spins():
@@ -198,16 +204,7 @@ def test_a_nic_bucket_shallower_than_a_quantum_never_spins():
         tick_s=0.5,
         priority=PriorityConfig(policy="layer"),
     )
-    sender = eps[0].endpoint.sender
-    rng = np.random.default_rng(9)
-    eps[0].start(1, 0, rng.standard_normal(20_000).astype(np.float32), 0.9, now=0.0)
-    now, sent = 0.0, 0
-    for _ in range(20):
-        sent += _sent(eps[0], now)
-        wake = sender.get_timer()
-        assert wake is not None and wake > now  # every wait moves the clock on
-        now = wake
-    assert sent >= 20
+    _sends_without_spinning(eps, seed=9)
 
 
 #: Bytes of the header that hold the phase and the step's low byte (HEADER_DTYPE's offsets).

@@ -44,6 +44,7 @@ from gradlane.transport import kernels
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.events import DatagramRun
 from gradlane.transport.kernels._ack import next_due, rack_due, timed_out
+from gradlane.transport.kernels._pick import advance_cursor as _advance_cursor
 from gradlane.transport.wire.header import (
     HEADER_SIZE,
     ITEMSIZE,
@@ -438,13 +439,7 @@ class OutTransfer:
 
     def advance_cursor(self) -> None:
         """Move the cursor past chunks that are no longer PENDING (sent or skipped)."""
-        while self.cursor < self.n_chunks:
-            window = self.state[self.order[self.cursor : self.cursor + 256]]
-            pending = (window == PENDING).nonzero()[0]
-            if pending.size:
-                self.cursor += int(pending[0])
-                return
-            self.cursor += int(window.size)
+        self.cursor = _advance_cursor(self.state, self.order, self.cursor)
 
 
 class SparePayloads:

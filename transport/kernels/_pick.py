@@ -8,7 +8,8 @@ then the next new chunks in the transfer's send order while they stay within the
 pass may send, cut to the tokens the peer has. Written with NumPy (``tests/support/naive.py``
 keeps that formulation as the reference) that is a dozen small-array operations per batch,
 and after the send two more to number the datagrams and move the transfer's cursor; here it
-is :func:`pick_chunks` before and :func:`after_sent` after, each one pass.
+is :func:`pick_chunks` before and :func:`after_sent` after, each one pass (the cursor's move,
+:func:`advance_cursor`, is also the transfer's own).
 
 The chunk states are :mod:`gradlane.transport.core.outgoing`'s (tests check they agree).
 """
@@ -74,6 +75,15 @@ def fit_chunks(lengths: np.ndarray, chunks: np.ndarray, avail: int) -> int:
 
 
 @njit(**EXACT)
+def advance_cursor(state: np.ndarray, order: np.ndarray, cursor: int) -> int:
+    """``cursor`` moved past every chunk of ``order`` no longer PENDING (sent or skipped)."""
+    n_chunks = order.shape[0]
+    while cursor < n_chunks and state[order[cursor]] != PENDING:
+        cursor += 1
+    return cursor
+
+
+@njit(**EXACT)
 def after_sent(
     state: np.ndarray,
     order: np.ndarray,
@@ -96,7 +106,4 @@ def after_sent(
         tx_seq[c] = next_seq + i
         starts[i] = np.int64(c) * chunk_bytes
         sizes[i] = np.int64(lengths[c]) - header_bytes
-    n_chunks = order.shape[0]
-    while cursor < n_chunks and state[order[cursor]] != PENDING:
-        cursor += 1
-    return cursor
+    return advance_cursor(state, order, cursor)
