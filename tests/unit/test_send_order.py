@@ -10,6 +10,8 @@
   chunks' classes; under a NIC cap, its reduce data to any peer goes before its gather data.
 * An older step's data goes before a newer step's, whatever the classes: nothing of the newer
   step takes tokens while the older step's data to that peer waits for them.
+* One bucket's shards to their owners go out at one pace (the least advanced first), not the
+  lowest-numbered owner's whole shard first.
 """
 
 from __future__ import annotations
@@ -210,6 +212,7 @@ def test_a_nic_bucket_shallower_than_a_quantum_never_spins():
 #: Bytes of the header that hold the phase and the step's low byte (HEADER_DTYPE's offsets).
 _PHASE_BYTE = 7
 _STEP_BYTE = 12
+_DST_BYTE = 22
 
 
 def _header_runs(ep, now: float, byte: int) -> list[int]:
@@ -297,3 +300,32 @@ def test_an_older_step_s_data_goes_before_a_newer_step_s_whatever_the_classes(ni
     sender.start(OutKey(2, 0, 1, Phase.REDUCE, 1), shard.copy(), DType.F32, 0.0, 0.0, pinned=True)
     steps = _sent_until(eps[0], 40, _STEP_BYTE)
     assert steps == [1] * 20 + [2] * 20, steps
+
+
+def test_one_bucket_s_shards_reach_their_owners_at_one_pace():
+    """Under a NIC cap, with every peer's pacers full (as after the idle time between steps),
+    start order would give the first owner its whole shard before the last owner got a byte:
+    that owner's reduce, then its gather, would end the step late. The least advanced
+    transfer goes first instead: every owner is served from the first quanta on and the
+    shares sent never differ by more than a quantum."""
+    quantum = 4
+    eps = make(
+        4,
+        chunk_bytes=256,
+        nic_rate_Bps=1_000_000.0,
+        pacing=PacingConfig(controller="fixed", initial_rate_Bps=1_000_000.0, burst_bytes=1 << 20),
+        tx_quantum_packets=quantum,
+        tick_s=0.5,
+        priority=PriorityConfig(policy="flat"),
+    )
+    sender = eps[0].endpoint.sender
+    rng = np.random.default_rng(12)
+    for j in (1, 2, 3):
+        shard = rng.standard_normal(64 * 20).astype(np.float32)
+        sender.start(OutKey(1, 0, j, Phase.REDUCE, j), shard, DType.F32, 0.5, 0.0)
+    dsts = _sent_until(eps[0], 60, _DST_BYTE)
+    assert sorted(dsts) == [1] * 20 + [2] * 20 + [3] * 20
+    assert 3 in dsts[: 3 * quantum], dsts
+    for n in range(1, 61):
+        counts = [dsts[:n].count(j) for j in (1, 2, 3)]
+        assert max(counts) - min(counts) <= quantum, (n, dsts)

@@ -113,6 +113,9 @@ class OutTransfer:
         cfg = config
         self.key = key
         self.seq = seq
+        # Start order of its bucket's first transfer (the sender's): one bucket's transfers are
+        # equals in the send order, served least advanced first.
+        self.group = seq
         self.layer_position = float(layer_position)
         # Its place among transfers of one class in the sender's queue (the policy's choice).
         self.send_position = float(priority.send_position(self.layer_position))
@@ -436,6 +439,12 @@ class OutTransfer:
     def outstanding(self) -> bool:
         """True while some chunk is neither acknowledged nor abandoned."""
         return bool((self.state < ACKED).any())
+
+    @property
+    def progress(self) -> float:
+        """The share of the chunks already sent or skipped once (0 at the start, 1 when every
+        chunk has gone out at least once): the sender serves the least advanced of equals first."""
+        return self.cursor / self.n_chunks if self.n_chunks else 1.0
 
     def advance_cursor(self) -> None:
         """Move the cursor past chunks that are no longer PENDING (sent or skipped)."""

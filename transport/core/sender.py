@@ -4,17 +4,18 @@ Theory of operation
 -------------------
 The per-chunk state of each outgoing transfer and its packet headers are
 :mod:`gradlane.transport.core.outgoing`'s; this module decides what goes out when. Sending order is
-global: a heap over transfers keyed by (step, class of the next chunk, layer position, creation
-order), so an older step's data goes first (a peer cannot use a newer step's before it finished
-the older one), then a front-layer bucket preempts a back-layer one and protected chunks of any
-bucket go first (the policy's ``send_position`` places a transfer within its class: ``flat``
-keeps start order); retransmissions of a class go before new chunks of that class, and nothing
-takes a peer's tokens while data ahead of it to that peer waits for them. Within one collective
-the reduce data goes before the gather data, and a pass sends toward a peer only whole batches of
-tokens: :mod:`gradlane.transport.core.send_pass`'s rules. Bytes toward a peer are paced
-per path and spread over paths by :class:`gradlane.scheduling.paths.PathSet`; the per-peer path
-state the sender keeps on top (RTOs, probes, control paths) is
-:mod:`gradlane.transport.core.peer_paths`'s.
+global: a heap over transfers keyed by (step, class of the next chunk, layer position, bucket start
+order, share already sent, creation order), so an older step's data goes first (a peer cannot use a
+newer step's before it finished the older one), then a front-layer bucket preempts a back-layer one
+and protected chunks of any bucket go first (the policy's ``send_position`` places a transfer
+within its class: ``flat`` keeps start order; under a NIC cap, within one bucket the least advanced
+transfer goes first, part of a quantum at a time, so its shards reach their owners at one pace);
+retransmissions of a class go before new chunks of that class, and nothing takes a peer's tokens
+while data ahead of it to that peer waits for them. Within one collective the reduce data goes
+before the gather data, and a pass sends toward a peer only whole batches of tokens:
+:mod:`gradlane.transport.core.send_pass`'s rules. Bytes toward a peer are paced per path and spread
+over paths by :class:`gradlane.scheduling.paths.PathSet`; the per-peer path state the sender keeps
+on top (RTOs, probes, control paths) is :mod:`gradlane.transport.core.peer_paths`'s.
 
 Loss detection: RACK (a chunk sent well before the newest acknowledged one on the same path
 and priority class is lost), a retransmission timeout per path, and the receiver's NACKs. A
@@ -70,6 +71,8 @@ class _ClassStats:
     retransmitted: np.ndarray
     path_bytes: np.ndarray
     bytes_sent: int = 0
+    first_seq: int = 0
+    """The start order of the bucket's first transfer: its transfers' place among equals."""
 
 
 def _grid_floor(t: float, step: float, at: float) -> float:
@@ -168,7 +171,7 @@ class SenderCore:
             stats=stats,
         )
         self.transfers[key] = t
-        self._stats(key.step, key.bucket)
+        t.group = self._stats(key.step, key.bucket, self._seq).first_seq
         if t.n_chunks == 0:
             self._retire(t)
             return t
@@ -382,12 +385,21 @@ class SenderCore:
         self._pace_at = np.inf
         if not self._sendable:
             return out
-        # Oldest step first, then class, layer position and start order. A peer finishes step
-        # s before it can use anything of s + 1 (it holds that early), so a newer step's data
-        # sent ahead of an older step's unsent tail (a rank that completed s starts s + 1 while
-        # its own gather to a peer is still going out) only delays that peer by as much.
-        heap: list[tuple[int, int, float, int, OutKey]] = []
+        # Oldest step first, then class, layer position, bucket start order, the share of the
+        # transfer already sent and start order. A peer finishes step s before it can use
+        # anything of s + 1 (it holds that early), so a newer step's data sent ahead of an older
+        # step's unsent tail (a rank that completed s starts s + 1 while its own gather to a
+        # peer is still going out) only delays that peer by as much. Under a NIC cap (tokens
+        # shared by every peer), within one bucket the least advanced transfer goes first, part
+        # of a quantum at a time: the owners' reduce phases progress together and end together,
+        # where start order would feed the lowest-numbered owner first and leave the last one
+        # waiting (its gather, the step's tail, then starts last).
+        heap: list[tuple[int, int, float, int, float, int, OutKey]] = []
         nic, gate = self.nic, self._gate
+
+        def fair(t: OutTransfer) -> float:
+            return t.progress if nic is not None else 0.0
+
         order = PhaseOrder(shared=nic is not None)
         for key in list(self._sendable):
             t = self.transfers.get(key)
@@ -395,7 +407,7 @@ class SenderCore:
             if cls is None:
                 self._sendable.discard(key)
             else:
-                heap.append((key.step, cls, t.send_position, t.seq, key))  # type: ignore[union-attr]
+                heap.append((key.step, cls, t.send_position, t.group, fair(t), t.seq, key))  # type: ignore[union-attr, arg-type]
                 order.add(key)
         heapq.heapify(heap)
         local_left = nic.allowance(now) if nic is not None else 1 << 62
@@ -412,7 +424,7 @@ class SenderCore:
         blocked: dict[int, int] = {}  # peer -> the tokens its next batch waits for
         budget = self.config.burst_packets * self._n_paths
         while heap and budget > 0 and local_left > 0:
-            step, cls, _, _, key = heapq.heappop(heap)
+            step, cls, pos, group, _, _, key = heapq.heappop(heap)
             if order.holds_back(key):
                 continue  # its turn comes once this collective's reduce data is out
             t = self.transfers[key]
@@ -428,6 +440,14 @@ class SenderCore:
             if avail <= 0 or not gate.ready(peer, need, now):
                 blocked[peer] = min(blocked.get(peer, need), need)
                 continue
+            if nic is not None and heap and heap[0][:4] == (step, cls, pos, group):
+                # Equals wait for the NIC's tokens (the other owners' shards of this bucket): an
+                # even part of a quantum each, then the least advanced again, so every owner's
+                # downlink gets its share in every pass, and a full bucket of tokens after an
+                # idle spell does not go to one owner whole. (Without a NIC cap each peer has
+                # pacers of its own: nothing to share.)
+                equals = 1 + sum(1 for e in heap if e[:4] == (step, cls, pos, group))
+                avail = min(avail, max(gate.quantum(False) // equals, gate.quantum(True)))
             # The classes after ``cls`` may go in the same batch while no other transfer of
             # this step to this peer has chunks of a class that must precede them: only
             # transfers sharing a peer's pacers and paths compete (and all of them when a NIC
@@ -436,7 +456,7 @@ class SenderCore:
             if nic is None:
                 upto = (
                     min(
-                        (c for s_, c, _, _, k in heap if k.dst == peer and s_ == step),
+                        (c for s_, c, _, _, _, _, k in heap if k.dst == peer and s_ == step),
                         default=MAX_CLASSES,
                     )
                     - 1
@@ -452,9 +472,9 @@ class SenderCore:
                 self._sendable.discard(key)
                 order.remove(key)
             elif consumed:
-                heapq.heappush(heap, (step, nxt, t.send_position, t.seq, key))
+                heapq.heappush(heap, (step, nxt, t.send_position, t.group, fair(t), t.seq, key))
         if heap or blocked:
-            for _, c, _, _, k in heap:  # left over when the budget or the NIC ran out
+            for _, c, _, _, _, _, k in heap:  # left over when the budget or the NIC ran out
                 need = gate.batch_need(self.transfers[k], c)
                 blocked[k.dst] = min(blocked.get(k.dst, need), need)
             self._pace_at = gate.wake_time(now, budget, blocked)
@@ -537,13 +557,14 @@ class SenderCore:
         return t if t == at else t + step
 
     # -- internals ---------------------------------------------------------------------------
-    def _stats(self, step: int, bucket: int) -> _ClassStats:
+    def _stats(self, step: int, bucket: int, seq: int = 0) -> _ClassStats:
         s = self.stats.get((step, bucket))
         if s is None:
             n = self.config.priority.n_classes
             z = np.zeros(n, dtype=np.int64)
             paths = np.zeros(self.config.n_paths, dtype=np.int64)
-            s = self.stats[(step, bucket)] = _ClassStats(z.copy(), z.copy(), z.copy(), paths)
+            s = _ClassStats(z.copy(), z.copy(), z.copy(), paths, first_seq=seq)
+            self.stats[(step, bucket)] = s
         return s
 
     def _note_lanes(self, t: OutTransfer, acked: np.ndarray, now: float) -> None:
