@@ -10,6 +10,8 @@
   chunks' classes; under a NIC cap, its reduce data to any peer goes before its gather data.
 * An older step's data goes before a newer step's, whatever the classes: nothing of the newer
   step takes tokens while the older step's data to that peer waits for them.
+* Under a NIC cap a step's reduce data goes before its gather data across buckets (class 0
+  excepted), so the gathers of complete buckets are left to fill the links at the end.
 * One bucket's shards to their owners go out at one pace (the least advanced first), not the
   lowest-numbered owner's whole shard first.
 """
@@ -329,3 +331,31 @@ def test_one_bucket_s_shards_reach_their_owners_at_one_pace():
     for n in range(1, 61):
         counts = [dsts[:n].count(j) for j in (1, 2, 3)]
         assert max(counts) - min(counts) <= quantum, (n, dsts)
+
+
+@pytest.mark.parametrize("nic", [True, False], ids=["nic-cap", "no-nic-cap"])
+def test_under_a_nic_cap_a_step_s_reduce_data_goes_before_other_buckets_gathers(nic):
+    """Bucket 0's gather (a middle layer, class 2) would go before bucket 1's reduce data (a
+    back layer, class 3) by class; under a NIC cap it waits for it, while bucket 2's pinned
+    gather (class 0) still goes first. Without a NIC cap classes decide alone."""
+    cfg = {"nic_rate_Bps": 1_000_000.0} if nic else {}
+    eps = make(
+        3,
+        chunk_bytes=256,
+        pacing=PacingConfig(controller="fixed", initial_rate_Bps=1_000_000.0, burst_bytes=1 << 20),
+        tx_quantum_packets=1,
+        tick_s=0.5,
+        priority=PriorityConfig(policy="layer"),
+        **cfg,
+    )
+    sender = eps[0].endpoint.sender
+    rng = np.random.default_rng(13)
+    shard = rng.standard_normal(64 * 10).astype(np.float32)
+    sender.start(OutKey(1, 1, 2, Phase.REDUCE, 2), shard, DType.F32, 0.9, 0.0)
+    sender.start(OutKey(1, 0, 0, Phase.GATHER, 1), shard.copy(), DType.F32, 0.5, 0.0)
+    sender.start(OutKey(1, 2, 0, Phase.GATHER, 2), shard.copy(), DType.F32, 0.5, 0.0, pinned=True)
+    buckets = _sent_until(eps[0], 30, _BUCKET_BYTE)
+    if nic:
+        assert buckets == [2] * 10 + [1] * 10 + [0] * 10, buckets
+    else:
+        assert buckets == [2] * 10 + [0] * 10 + [1] * 10, buckets

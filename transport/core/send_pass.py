@@ -19,7 +19,13 @@ fires without something to send.
 gathered shard to everyone, when every rank's reduce data for it has come; our gather data it
 needs only at the end. So a collective's gather (pull) data waits while its reduce (push) data
 still has chunks to send, whatever the chunks' classes: to the same peer, or to any peer when
-a NIC cap makes them all share one rate.
+a NIC cap makes them all share one rate. Under a NIC cap the same holds across a step's
+collectives for every chunk but class 0: a step's reduce data goes before its gather data. A
+peer completes a bucket's reduce only when the last of it has crossed the network; gathers of
+the buckets already complete, held back meanwhile, fill the links while the last reduce data is
+under way, where sending them first would leave every rank with nothing to send then (its reduce
+data out, its own shards not yet complete). Class 0 (protected, pinned) gather chunks still go
+first: the front layers they carry are needed first.
 """
 
 from __future__ import annotations
@@ -144,6 +150,12 @@ class PhaseOrder:
         """``key``'s transfer has sent all it had (a no-op unless it is a first phase)."""
         if key.phase in _FIRST:
             self._pending[self._group(key)] -= 1
+
+    def rank(self, key: OutKey, cls: int) -> int:
+        """The place of ``key``'s next chunks (class ``cls``) before class and layer: 1 for a
+        second phase's below class 0 under a NIC cap (after every first phase's data of its
+        step), else 0."""
+        return int(self._shared and cls > 0 and key.phase in _FIRST_PHASE)
 
     def holds_back(self, key: OutKey) -> bool:
         """Whether ``key`` is a second phase whose collective still has first-phase data."""

@@ -4,18 +4,19 @@ Theory of operation
 -------------------
 The per-chunk state of each outgoing transfer and its packet headers are
 :mod:`gradlane.transport.core.outgoing`'s; this module decides what goes out when. Sending order is
-global: a heap over transfers keyed by (step, class of the next chunk, layer position, bucket start
-order, share already sent, creation order), so an older step's data goes first (a peer cannot use a
-newer step's before it finished the older one), then a front-layer bucket preempts a back-layer one
-and protected chunks of any bucket go first (the policy's ``send_position`` places a transfer
-within its class: ``flat`` keeps start order; under a NIC cap, within one bucket the least advanced
-transfer goes first, part of a quantum at a time, so its shards reach their owners at one pace);
-retransmissions of a class go before new chunks of that class, and nothing takes a peer's tokens
-while data ahead of it to that peer waits for them. Within one collective the reduce data goes
-before the gather data, and a pass sends toward a peer only whole batches of tokens:
-:mod:`gradlane.transport.core.send_pass`'s rules. Bytes toward a peer are paced per path and spread
-over paths by :class:`gradlane.scheduling.paths.PathSet`; the per-peer path state the sender keeps
-on top (RTOs, probes, control paths) is :mod:`gradlane.transport.core.peer_paths`'s.
+global: a heap over transfers keyed by (step, phase rank, class of the next chunk, layer position,
+bucket start order, share already sent, creation order), so an older step's data goes first (a peer
+cannot use a newer step's before it finished the older one), then a front-layer bucket preempts a
+back-layer one and protected chunks of any bucket go first (the policy's ``send_position`` places a
+transfer within its class: ``flat`` keeps start order; under a NIC cap, within one bucket the least
+advanced transfer goes first, part of a quantum at a time, so its shards reach their owners at one
+pace); retransmissions of a class go before new chunks of that class, and nothing takes a peer's
+tokens while data ahead of it to that peer waits for them. Within one collective the reduce data
+goes before the gather data (under a NIC cap, within one step, but for class 0), and a pass sends
+toward a peer only whole batches of tokens: :mod:`gradlane.transport.core.send_pass`'s rules. Bytes
+toward a peer are paced per path and spread over paths by
+:class:`gradlane.scheduling.paths.PathSet`; the per-peer path state the sender keeps on top (RTOs,
+probes, control paths) is :mod:`gradlane.transport.core.peer_paths`'s.
 
 Loss detection: RACK (a chunk sent well before the newest acknowledged one on the same path
 and priority class is lost), a retransmission timeout per path, and the receiver's NACKs. A
@@ -73,6 +74,11 @@ class _ClassStats:
     bytes_sent: int = 0
     first_seq: int = 0
     """The start order of the bucket's first transfer: its transfers' place among equals."""
+
+
+#: A transfer's place in a sending pass's heap: step, phase rank, class, layer position, bucket
+#: start order, share sent (under a NIC cap), start order, then the key itself.
+_Entry = tuple[int, int, int, float, int, float, int, OutKey]
 
 
 def _grid_floor(t: float, step: float, at: float) -> float:
@@ -385,33 +391,35 @@ class SenderCore:
         self._pace_at = np.inf
         if not self._sendable:
             return out
-        # Oldest step first, then class, layer position, bucket start order, the share of the
-        # transfer already sent and start order. A peer finishes step s before it can use
-        # anything of s + 1 (it holds that early), so a newer step's data sent ahead of an older
-        # step's unsent tail (a rank that completed s starts s + 1 while its own gather to a
-        # peer is still going out) only delays that peer by as much. Under a NIC cap (tokens
-        # shared by every peer), within one bucket the least advanced transfer goes first, part
-        # of a quantum at a time: the owners' reduce phases progress together and end together,
-        # where start order would feed the lowest-numbered owner first and leave the last one
-        # waiting (its gather, the step's tail, then starts last).
-        heap: list[tuple[int, int, float, int, float, int, OutKey]] = []
+        # Oldest step first, then (under a NIC cap) the step's reduce data before its gather
+        # data below class 0 (send_pass's phase order), class, layer position, bucket start
+        # order, the share of the transfer already sent and start order. A peer finishes step s
+        # before it can use anything of s + 1 (it holds that early), so a newer step's data sent
+        # ahead of an older step's unsent tail (a rank that completed s starts s + 1 while its
+        # own gather to a peer is still going out) only delays that peer by as much. Under a NIC
+        # cap (tokens shared by every peer), within one bucket the least advanced transfer goes
+        # first, part of a quantum at a time: the owners' reduce phases progress together and
+        # end together, where start order would feed the lowest-numbered owner first and leave
+        # the last one waiting (its gather, the step's tail, then starts last).
+        heap: list[_Entry] = []
         nic, gate = self.nic, self._gate
-
-        def fair(t: OutTransfer) -> float:
-            return t.progress if nic is not None else 0.0
-
         order = PhaseOrder(shared=nic is not None)
+
+        def entry(key: OutKey, t: OutTransfer, cls: int) -> _Entry:
+            fair = t.progress if nic is not None else 0.0
+            return (key.step, order.rank(key, cls), cls, t.send_position, t.group, fair, t.seq, key)
+
         for key in list(self._sendable):
             t = self.transfers.get(key)
             cls = t.next_class() if t is not None else None
-            if cls is None:
+            if t is None or cls is None:
                 self._sendable.discard(key)
             else:
-                heap.append((key.step, cls, t.send_position, t.group, fair(t), t.seq, key))  # type: ignore[union-attr, arg-type]
+                heap.append(entry(key, t, cls))
                 order.add(key)
         heapq.heapify(heap)
         local_left = nic.allowance(now) if nic is not None else 1 << 62
-        quantum = gate.quantum(bool(heap) and heap[0][1] == 0)
+        quantum = gate.quantum(bool(heap) and heap[0][2] == 0)
         if nic is not None:
             # Tokens never exceed the bucket's depth: a quantum deeper than the NIC's bucket
             # waits for a full bucket (else the wait would come true at once, forever).
@@ -424,7 +432,7 @@ class SenderCore:
         blocked: dict[int, int] = {}  # peer -> the tokens its next batch waits for
         budget = self.config.burst_packets * self._n_paths
         while heap and budget > 0 and local_left > 0:
-            step, cls, pos, group, _, _, key = heapq.heappop(heap)
+            step, late, cls, pos, group, _, _, key = heapq.heappop(heap)
             if order.holds_back(key):
                 continue  # its turn comes once this collective's reduce data is out
             t = self.transfers[key]
@@ -440,13 +448,13 @@ class SenderCore:
             if avail <= 0 or not gate.ready(peer, need, now):
                 blocked[peer] = min(blocked.get(peer, need), need)
                 continue
-            if nic is not None and heap and heap[0][:4] == (step, cls, pos, group):
+            if nic is not None and heap and heap[0][:5] == (step, late, cls, pos, group):
                 # Equals wait for the NIC's tokens (the other owners' shards of this bucket): an
                 # even part of a quantum each, then the least advanced again, so every owner's
                 # downlink gets its share in every pass, and a full bucket of tokens after an
                 # idle spell does not go to one owner whole. (Without a NIC cap each peer has
                 # pacers of its own: nothing to share.)
-                equals = 1 + sum(1 for e in heap if e[:4] == (step, cls, pos, group))
+                equals = 1 + sum(1 for e in heap if e[:5] == (step, late, cls, pos, group))
                 avail = min(avail, max(gate.quantum(False) // equals, gate.quantum(True)))
             # The classes after ``cls`` may go in the same batch while no other transfer of
             # this step to this peer has chunks of a class that must precede them: only
@@ -456,7 +464,7 @@ class SenderCore:
             if nic is None:
                 upto = (
                     min(
-                        (c for s_, c, _, _, _, _, k in heap if k.dst == peer and s_ == step),
+                        (c for s_, _, c, _, _, _, _, k in heap if k.dst == peer and s_ == step),
                         default=MAX_CLASSES,
                     )
                     - 1
@@ -472,9 +480,9 @@ class SenderCore:
                 self._sendable.discard(key)
                 order.remove(key)
             elif consumed:
-                heapq.heappush(heap, (step, nxt, t.send_position, t.group, fair(t), t.seq, key))
+                heapq.heappush(heap, entry(key, t, nxt))
         if heap or blocked:
-            for _, c, _, _, _, _, k in heap:  # left over when the budget or the NIC ran out
+            for _, _, c, _, _, _, _, k in heap:  # left over when the budget or the NIC ran out
                 need = gate.batch_need(self.transfers[k], c)
                 blocked[k.dst] = min(blocked.get(k.dst, need), need)
             self._pace_at = gate.wake_time(now, budget, blocked)
