@@ -260,13 +260,11 @@ def test_a_collective_s_reduce_data_to_a_peer_goes_before_its_gather_whatever_th
     assert phases == [int(first)] * 20 + [int(second)] * 20, phases
 
 
-@pytest.mark.parametrize("nic", [True, False], ids=["nic-cap", "no-nic-cap"])
-def test_under_a_nic_cap_the_reduce_data_to_any_peer_goes_before_the_gather(nic):
-    """With one NIC rate for every peer, the gather to one peer would take that rate from the
-    reduce data another peer waits on: it waits too. Without a NIC cap each peer has its own
-    pacers, so the gather to another peer goes at once (its class 0 first)."""
+def _three_ranks(nic: bool):
+    """Three cores whose per-peer pacers start full (1 MB/s each), with or without a NIC cap at
+    the same rate, sending one datagram per batch; ticks far apart."""
     cfg = {"nic_rate_Bps": 1_000_000.0} if nic else {}
-    eps = make(
+    return make(
         3,
         chunk_bytes=256,
         pacing=PacingConfig(controller="fixed", initial_rate_Bps=1_000_000.0, burst_bytes=1 << 20),
@@ -275,6 +273,14 @@ def test_under_a_nic_cap_the_reduce_data_to_any_peer_goes_before_the_gather(nic)
         priority=PriorityConfig(policy="layer"),
         **cfg,
     )
+
+
+@pytest.mark.parametrize("nic", [True, False], ids=["nic-cap", "no-nic-cap"])
+def test_under_a_nic_cap_the_reduce_data_to_any_peer_goes_before_the_gather(nic):
+    """With one NIC rate for every peer, the gather to one peer would take that rate from the
+    reduce data another peer waits on: it waits too. Without a NIC cap each peer has its own
+    pacers, so the gather to another peer goes at once (its class 0 first)."""
+    eps = _three_ranks(nic)
     sender = eps[0].endpoint.sender
     rng = np.random.default_rng(10)
     shard = rng.standard_normal(64 * 20).astype(np.float32)
@@ -338,16 +344,7 @@ def test_under_a_nic_cap_a_step_s_reduce_data_goes_before_other_buckets_gathers(
     """Bucket 0's gather (a middle layer, class 2) would go before bucket 1's reduce data (a
     back layer, class 3) by class; under a NIC cap it waits for it, while bucket 2's pinned
     gather (class 0) still goes first. Without a NIC cap classes decide alone."""
-    cfg = {"nic_rate_Bps": 1_000_000.0} if nic else {}
-    eps = make(
-        3,
-        chunk_bytes=256,
-        pacing=PacingConfig(controller="fixed", initial_rate_Bps=1_000_000.0, burst_bytes=1 << 20),
-        tx_quantum_packets=1,
-        tick_s=0.5,
-        priority=PriorityConfig(policy="layer"),
-        **cfg,
-    )
+    eps = _three_ranks(nic)
     sender = eps[0].endpoint.sender
     rng = np.random.default_rng(13)
     shard = rng.standard_normal(64 * 10).astype(np.float32)
