@@ -285,7 +285,7 @@ def readme_block(results: Path = RESULTS) -> str:
         busy, share = s.get("gloo_cross_route_busy"), s.get("cross_share")
         if busy is None or share is None:
             hashed = ""
-        elif busy > share + 0.05:  # gloo's own traffic on top of the cross traffic's share
+        elif busy > share + 0.05:  # gloo's traffic on top of the cross traffic (as bench.demo)
             hashed = (
                 f" (this run's hash put gloo's ring on a congested link: the busiest one "
                 f"{busy:.0%} busy, the cross traffic {share:.0%})"

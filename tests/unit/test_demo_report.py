@@ -28,7 +28,18 @@ def test_the_demo_reports_both_baselines_and_which_case_the_hash_was(out, capsys
         f"against gloo on path 0: {s['tta_ratio_vs_gloo_path0']:.2f}x its time to accuracy; "
         f"step p99 {s['step_p99_ratio_vs_gloo_path0']:.2f}x"
     ) in text
-    assert "gloo's ring shared a congested link" in text  # busy 1.00 in the committed run
+    busy, alone = s["gloo_cross_route_busy"], s["cross_share"]
+    missed = "kept gloo's connections off the congested links"
+    assert (missed in text) == (busy <= alone + 0.05)
+
+
+def test_a_hash_that_crossed_the_congestion_is_named(out, capsys):
+    crossed = copy.deepcopy(out)
+    crossed["summary"]["gloo_cross_route_busy"] = 1.0
+    table(crossed)
+    text = capsys.readouterr().out
+    assert "gloo's ring shared a congested link" in text
+    assert "kept gloo's connections off the congested links" not in text
 
 
 def test_a_lucky_hash_is_named_and_a_run_without_path0_prints_no_path0_line(out, capsys):
