@@ -28,7 +28,10 @@ Large frames go out zero-copy (``send(memoryview, copy=False)``): a batch frame 
 its own, filled from the caller's data, and the memoryview keeps it alive until ZeroMQ has sent
 it. Small frames (ACKs) are copied, which is cheaper than the zero-copy bookkeeping. A socket
 whose high-water mark is reached is not blocked on: its frames wait in an ordered backlog and
-the loop polls for POLLOUT.
+the loop polls for POLLOUT. On the receiving side libzmq puts every large frame in a buffer
+it allocates and frees; :meth:`ZmqPlane.start` sets glibc's malloc thresholds where glibc's own
+adjustment ends, so those buffers stay mapped from the first frame instead of being faulted in
+afresh for each (:mod:`gradlane.transport.drivers.zmq.malloc`: process-wide, on by default).
 
 ZeroMQ over TCP/IPC is reliable and ordered, so :func:`zmq_config` defaults to
 ``loss_bound = 0`` (exact all-reduce), 65000-byte chunks, loss-recovery timers pushed out to
@@ -69,6 +72,7 @@ from gradlane.transport.drivers.futures import (
 )
 from gradlane.transport.drivers.warmup import warm_up
 from gradlane.transport.drivers.zmq import frames as zmq_batch
+from gradlane.transport.drivers.zmq.malloc import retain_freed_memory
 from gradlane.transport.errors import ConfigError, TransferFailed
 
 __all__ = ["ZERO_COPY_MIN_BYTES", "ZmqPlane", "zmq_config"]
@@ -168,7 +172,11 @@ class ZmqPlane:
     ZeroMQ queues at most ``hwm × batch_bytes`` per socket; beyond it frames wait in the
     loop's backlog until the socket drains). ``batch_bytes`` caps a batch frame
     (:mod:`gradlane.transport.drivers.zmq.frames`); 0 sends one packet per frame (for
-    comparisons: the receiver takes either kind).
+    comparisons: the receiver takes either kind). ``tune_malloc`` (default True): set glibc's
+    malloc parameters at :meth:`start` so libzmq's receive buffers stay mapped
+    (:func:`~gradlane.transport.drivers.zmq.malloc.retain_freed_memory`, process-wide;
+    ``GRADLANE_NO_MALLOC_TUNING=1`` also turns it off); ``stats()["malloc_tuned"]`` says
+    whether they were set.
     """
 
     def __init__(
@@ -181,6 +189,7 @@ class ZmqPlane:
         rng: np.random.Generator | None = None,
         hwm: int = 1024,
         batch_bytes: int = zmq_batch.BATCH_BYTES,
+        tune_malloc: bool = True,
     ) -> None:
         self.me = me
         self.world = world
@@ -203,6 +212,9 @@ class ZmqPlane:
                 f"batch_bytes must be >= 0 (0: one packet per frame), got {batch_bytes}"
             )
         self.batch_bytes = batch_bytes
+        self._tune_malloc = tune_malloc
+        #: glibc keeps freed receive buffers mapped (:mod:`gradlane.transport.drivers.zmq.malloc`)
+        self.malloc_tuned = False
         self._shared = _Shared(me)
         self._thread: threading.Thread | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -217,6 +229,8 @@ class ZmqPlane:
             return self
         # Compile the kernels now, not inside the first collective's deadlines.
         warm_up(zmq=True)
+        if self._tune_malloc:  # before libzmq's I/O thread allocates its first frame
+            self.malloc_tuned = retain_freed_memory()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
         self._ctx = ctx
         made: list[zmq.Socket[bytes]] = []
@@ -342,7 +356,12 @@ class ZmqPlane:
     def stats(self) -> dict[str, Any]:
         """Frame/byte counters and the endpoint's reject counters (thread-safe snapshot)."""
         shared = self._shared
-        return {"rank": self.me, **dict(shared.counters), "endpoint": dict(shared.endpoint_stats)}
+        return {
+            "rank": self.me,
+            **dict(shared.counters),
+            "malloc_tuned": self.malloc_tuned,
+            "endpoint": dict(shared.endpoint_stats),
+        }
 
     def _wake(self) -> None:
         with self._shared.lock:
