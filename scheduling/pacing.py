@@ -28,6 +28,16 @@ congestion event, as TCP's fast recovery does). While acks come back clean the r
 ``increase_Bps_per_s`` per second, plus ``increase_gain`` of itself per RTT (multiplicative
 probing; 0 keeps the increase purely additive). The rate stays in
 ``[min_rate_Bps, max_rate_Bps]``.
+
+**Burst size** (:class:`BurstControl`). Rate is one thing, burst another: a pacer's depth is how
+many bytes may leave back to back, and a queue shorter than that burst (a shallow port, the small
+queue of a low-priority class) drops its tail at any rate. A sender that waits for a quantum of
+tokens and sends it at once (fewer, larger batches: the way to keep a pass's fixed cost low) can
+let :class:`BurstControl` set that quantum by loss, additive increase and multiplicative
+decrease as TCP sets its window: halve on a loss event, at most once per ``hold_s``; grow by one
+datagram per ``grow_s`` without loss; within ``[min_packets, max_packets]``. The pacers' depths
+follow (:meth:`Pacer.set_depth`). A clean network keeps the large bursts; a lossy one gets short
+ones, and they grow back once the losses stop.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from typing import TypeVar
 from gradlane.scheduling.errors import ConfigError
 
 __all__ = [
+    "BurstControl",
     "CongestionController",
     "FixedRate",
     "LossTolerant",
@@ -275,8 +286,22 @@ class Pacer:
     ) -> None:
         self.config = config if config is not None else PacingConfig()
         self.controller = controller if controller is not None else make_controller(self.config)
-        self._tokens = float(self.config.burst_bytes)
+        self._depth = float(self.config.burst_bytes)
+        self._tokens = self._depth
         self._last = math.nan
+
+    @property
+    def depth(self) -> int:
+        """The bucket's depth now: ``burst_bytes`` unless :meth:`set_depth` changed it."""
+        return int(self._depth)
+
+    def set_depth(self, nbytes: int) -> None:
+        """Hold at most ``nbytes`` of tokens from now on (>= 1); tokens above it are dropped,
+        a debt is kept."""
+        if nbytes < 1:
+            raise ValueError(f"depth must be >= 1 byte, got {nbytes}")
+        self._depth = float(nbytes)
+        self._tokens = min(self._tokens, self._depth)
 
     @property
     def rate_Bps(self) -> float:  # noqa: N802 (B = bytes)
@@ -300,11 +325,11 @@ class Pacer:
         """Earliest time ``nbytes`` may be sent at the current rate; never earlier than ``now``.
 
         A pure query (the bucket does not move), so a driver's ``get_timer`` may call it. A
-        datagram larger than ``burst_bytes`` may go once the bucket is full.
+        datagram larger than the depth may go once the bucket is full.
         """
         if math.isnan(self._last):
             return now
-        need = min(float(nbytes), float(self.config.burst_bytes))
+        need = min(float(nbytes), self._depth)
         deficit = need - self._tokens  # tokens as of the last refill
         if deficit <= 0.0:
             return now
@@ -316,6 +341,47 @@ class Pacer:
         if not math.isnan(self._last):
             # A clock that steps backwards earns nothing (and takes nothing).
             dt = max(0.0, now - self._last)
-            burst = float(self.config.burst_bytes)
-            self._tokens = min(burst, self._tokens + dt * self.controller.rate_Bps)
+            self._tokens = min(self._depth, self._tokens + dt * self.controller.rate_Bps)
         self._last = now if math.isnan(self._last) else max(self._last, now)
+
+
+class BurstControl:
+    """Datagrams a sender lets go back to back, set by loss (see the module doc).
+
+    ``packets(now)`` is the current burst; ``on_loss(now)`` halves it (at most once per
+    ``hold_s``, so the losses of one burst count once) and restarts its growth, one datagram
+    per ``grow_s`` without a loss, up to ``max_packets``. ``min_packets == max_packets`` keeps
+    it fixed. Pure: times are passed in.
+    """
+
+    def __init__(self, max_packets: int, min_packets: int, hold_s: float, grow_s: float) -> None:
+        if not 1 <= min_packets <= max_packets:
+            raise ConfigError(
+                f"burst bounds must satisfy 1 <= min_packets <= max_packets, got {min_packets}, "
+                f"{max_packets}"
+            )
+        if not (0.0 <= hold_s < math.inf and 0.0 < grow_s < math.inf):
+            raise ConfigError(f"hold_s must be >= 0 and grow_s > 0, got {hold_s}, {grow_s}")
+        self.max_packets = max_packets
+        self.min_packets = min_packets
+        self._hold = hold_s
+        self._grow = grow_s
+        self._base = max_packets  # the burst at ``_anchor``, growing from there
+        self._anchor = -math.inf
+        self._cut_at = -math.inf
+
+    def packets(self, now: float) -> int:
+        """The burst at ``now``, in datagrams."""
+        if self._base >= self.max_packets:
+            return self.max_packets
+        grown = int(max(0.0, now - self._anchor) / self._grow)
+        return min(self.max_packets, self._base + grown)
+
+    def on_loss(self, now: float) -> None:
+        """A loss was detected at ``now``."""
+        burst = self.packets(now)
+        if now >= self._cut_at + self._hold:
+            burst = max(self.min_packets, burst // 2)
+            self._cut_at = now
+        self._base = burst
+        self._anchor = now

@@ -8,6 +8,7 @@ all build it through :meth:`TransportConfig.from_mapping`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -76,6 +77,14 @@ class TransportConfig:
     """Send when this many packets' worth of pacing tokens have accrued, at the NIC's pacer and
     toward a peer (like a GSO burst): fewer, larger batches and fewer passes for the same rate.
     Class 0 and a transfer's last few packets wait for one packet's tokens."""
+    tx_quantum_min_packets: int = 0
+    """0: the quantum is fixed. Else the quantum follows loss between this and
+    ``tx_quantum_packets`` (:class:`~gradlane.scheduling.pacing.BurstControl`: halved on a loss
+    event, at most once per ``min_rto_s``; one packet more per ``tx_quantum_grow_s`` without
+    loss), and the pacers' depths scale with it: short bursts where a queue drops their tails,
+    long ones (fewer passes) where none does."""
+    tx_quantum_grow_s: float = 0.1
+    """With ``tx_quantum_min_packets``: loss-free time per packet the quantum grows back."""
     rx_coalesce_s: float = 0.0
     """Hold received datagrams up to this long to process them as one batch (like NIC
     interrupt moderation); 0 processes at the next driver call."""
@@ -158,6 +167,13 @@ class TransportConfig:
             raise ConfigError("nic_rate_Bps must be >= 0 (0 = uncapped) and tick_s > 0")
         if self.tx_quantum_packets < 1 or self.rx_coalesce_s < 0:
             raise ConfigError("tx_quantum_packets must be >= 1 and rx_coalesce_s >= 0")
+        if not 0.0 < self.tx_quantum_grow_s < math.inf:
+            raise ConfigError(f"tx_quantum_grow_s={self.tx_quantum_grow_s}: must be > 0")
+        if not 0 <= self.tx_quantum_min_packets <= self.tx_quantum_packets:
+            raise ConfigError(
+                f"tx_quantum_min_packets={self.tx_quantum_min_packets}: between 0 (a fixed "
+                f"quantum) and tx_quantum_packets={self.tx_quantum_packets}"
+            )
         if self.burst_packets < 1:
             raise ConfigError(f"burst_packets={self.burst_packets}: at least 1")
         if self.socket_buffer_bytes < 4096:

@@ -142,6 +142,8 @@ class NetParams:
     """Pacing controller on a real network (``fixed``: the even share of the link, constant)."""
     tx_quantum_packets: int = 4
     """Packets' worth of pacing tokens per send burst (fewer wake-ups per byte when larger)."""
+    tx_quantum_min_packets: int = 0
+    """0: a fixed burst; else the burst follows loss down to this (``TransportConfig``)."""
     rx_coalesce_s: float = 0.0
     """Hold received datagrams this long to process them as one batch."""
     suspect_after_s: float = 0.05
@@ -188,6 +190,7 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
         multipath=True,
         nic_rate_Bps=net.nic_Bps,
         tx_quantum_packets=net.tx_quantum_packets,
+        tx_quantum_min_packets=net.tx_quantum_min_packets,
         rx_coalesce_s=net.rx_coalesce_s,
         seed=seed,
         priority=prio,

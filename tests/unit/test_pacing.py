@@ -7,6 +7,7 @@ import copy
 import pytest
 from gradlane.scheduling.errors import ConfigError
 from gradlane.scheduling.pacing import (
+    BurstControl,
     CongestionController,
     FixedRate,
     LossTolerant,
@@ -263,3 +264,51 @@ def test_next_send_time_is_a_pure_query() -> None:
     assert p.next_send_time(0.0, 1000) == p.next_send_time(5.0, 1000)
     assert p.allowance(5.0) == 0
     assert fixed_pacer().next_send_time(3.0, 10**9) == 3.0
+
+
+def test_a_smaller_depth_caps_the_tokens_and_the_wait() -> None:
+    p = fixed_pacer()  # 1 MB/s, 10 kB deep
+    assert p.depth == 10_000 and p.allowance(0.0) == 10_000
+    p.set_depth(4_000)
+    assert p.depth == 4_000 and p.allowance(0.0) == 4_000  # tokens above it dropped
+    assert p.allowance(1.0) == 4_000  # and never refilled past it
+    p.consume(4_000, 1.0)
+    # Larger than the bucket: goes once the (smaller) bucket is full, 4 ms later.
+    assert p.next_send_time(1.0, 9_000) == pytest.approx(1.004, abs=1e-5)
+    p.set_depth(10_000)  # deeper again: tokens accrue up to it
+    assert p.allowance(1.02) == 10_000
+    with pytest.raises(ValueError, match="depth"):
+        p.set_depth(0)
+
+
+def test_a_burst_halves_on_loss_once_per_hold_and_grows_back_one_packet_at_a_time() -> None:
+    b = BurstControl(32, 8, hold_s=0.002, grow_s=0.01)
+    assert b.packets(0.0) == 32
+    b.on_loss(1.0)
+    assert b.packets(1.0) == 16
+    b.on_loss(1.001)  # the same burst's other losses: no second cut within the hold...
+    assert b.packets(1.001) == 16
+    assert b.packets(1.0109) == 16  # ...but the growth restarts from the last loss
+    assert b.packets(1.011) == 17
+    b.on_loss(1.011)
+    assert b.packets(1.011) == 8
+    b.on_loss(1.02)
+    assert b.packets(1.02) == 8  # never below the floor
+    assert b.packets(1.02 + 0.01 * 23.5) == 31
+    assert b.packets(1.02 + 0.01 * 1000) == 32  # nor above the top
+
+
+def test_a_burst_with_equal_bounds_is_fixed() -> None:
+    b = BurstControl(4, 4, hold_s=0.0, grow_s=0.001)
+    b.on_loss(0.0)
+    assert b.packets(0.0) == 4 and b.packets(5.0) == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [((8, 16, 0.001, 0.01), "min_packets <= max_packets"), ((8, 0, 0.001, 0.01), "1 <="),
+     ((8, 4, -1.0, 0.01), "hold_s"), ((8, 4, 0.001, 0.0), "grow_s")],
+)  # fmt: skip
+def test_burst_bounds_are_checked(args: tuple[int, int, float, float], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        BurstControl(*args)

@@ -14,6 +14,7 @@
   excepted), so the gathers of complete buckets are left to fill the links at the end.
 * One bucket's shards to their owners go out at one pace (the least advanced first), not the
   lowest-numbered owner's whole shard first.
+* With a quantum that follows loss, a loss halves the next bursts, and they grow back.
 """
 
 from __future__ import annotations
@@ -356,3 +357,24 @@ def test_under_a_nic_cap_a_step_s_reduce_data_goes_before_other_buckets_gathers(
         assert buckets == [2] * 10 + [1] * 10 + [0] * 10, buckets
     else:
         assert buckets == [2] * 10 + [0] * 10 + [1] * 10, buckets
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_loss_halves_the_next_bursts_when_the_quantum_follows_loss(adaptive):
+    """With ``tx_quantum_min_packets`` a detected loss halves the quantum (8 → 4 datagrams) and
+    the pacers' depths with it (32 → 16): after an idle spell the next pass sends 16 datagrams
+    back to back; with a fixed quantum the full 32."""
+    extra = {"tx_quantum_min_packets": 2, "tx_quantum_grow_s": 10.0} if adaptive else {}
+    eps = _path_paced(32, **extra)
+    sender = eps[0].endpoint.sender
+    rng = np.random.default_rng(9)
+    eps[0].start(1, 0, rng.standard_normal(40_000).astype(np.float32), 0.9, now=0.0)
+    assert _sent(eps[0], 0.0) == 32  # the full bucket: 32 datagrams back to back
+    (key,) = sender.transfers
+    bits = np.zeros(sender.n_chunks(key), dtype=bool)
+    bits[0] = True  # the first chunk, overtaken by the 32nd: lost
+    sender.on_nack(key, 0, bits, now=1.0, newest=31)
+    # Long idle: the bucket is as full as its depth lets it be (the resend goes first).
+    assert _sent(eps[0], 2.0) == (16 if adaptive else 32)
+    # Grown back (one datagram per 10 s here): the full bursts again.
+    assert _sent(eps[0], 2.0 + 10.0 * 4) == 32

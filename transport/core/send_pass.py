@@ -13,7 +13,9 @@ batches at the same rate), or one datagram for class 0 and for a transfer with f
 than that left. A wake-up for an ACK or a read therefore sends nothing rather than a lone
 datagram: a pass costs far more than a datagram does. The test that lets a batch go
 (:meth:`PaceGate.ready`) is the wake time's (:meth:`PaceGate.wake_time`), so a timer never
-fires without something to send.
+fires without something to send. With ``tx_quantum_min_packets`` the quantum follows loss
+(:class:`~gradlane.scheduling.pacing.BurstControl`, :meth:`PaceGate.adapt` at each pass) and
+the pacers' depths scale with it, so a queue that drops the tail of long bursts gets short ones.
 
 **Phase order** (:class:`PhaseOrder`). A peer completes its reduce, and only then sends its
 gathered shard to everyone, when every rank's reduce data for it has come; our gather data it
@@ -34,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from gradlane.scheduling.pacing import Pacer
+from gradlane.scheduling.pacing import BurstControl, Pacer
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.outgoing import OutKey, OutTransfer
 from gradlane.transport.wire.header import Phase
@@ -80,6 +82,41 @@ class PaceGate:
         self._pacers = pacers
         self._nic = nic
         self._usable = usable
+        # With tx_quantum_min_packets, the quantum and the pacers' depths follow loss (see
+        # adapt); the full-quantum depths are where they scale from.
+        self._burst: BurstControl | None = None
+        if config.tx_quantum_min_packets:
+            self._burst = BurstControl(
+                config.tx_quantum_packets,
+                config.tx_quantum_min_packets,
+                hold_s=config.min_rto_s,
+                grow_s=config.tx_quantum_grow_s,
+            )
+        self._depths = {key: p.depth for key, p in pacers.items()}
+        self._nic_depth = nic.depth if nic is not None else 0
+
+    def on_loss(self, now: float) -> None:
+        """A loss was detected: a shorter burst from the next pass (adaptive quantum only)."""
+        if self._burst is not None:
+            self._burst.on_loss(now)
+
+    def adapt(self, now: float) -> None:
+        """Set the quantum, and the pacers' depths in proportion, to the burst loss allows at
+        ``now`` (at the start of a pass; nothing to do with a fixed quantum)."""
+        burst = self._burst
+        if burst is None:
+            return
+        q = burst.packets(now)
+        if q == self._quantum_packets:
+            return
+        self._quantum_packets = q
+        full = burst.max_packets
+        # Never deeper than configured, never below one datagram; a quantum deeper than a
+        # bucket waits for a full bucket (the NIC's in the sender, the paths' in ready()).
+        for key, p in self._pacers.items():
+            p.set_depth(max(self._slot, self._depths[key] * q // full))
+        if self._nic is not None:
+            self._nic.set_depth(max(self._slot, self._nic_depth * q // full))
 
     def quantum(self, urgent: bool) -> int:
         """Tokens a paced send waits for: a whole quantum, or one datagram while class 0 waits.

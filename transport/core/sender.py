@@ -418,12 +418,13 @@ class SenderCore:
                 heap.append(entry(key, t, cls))
                 order.add(key)
         heapq.heapify(heap)
+        gate.adapt(now)  # the burst loss allows (a fixed quantum unless tx_quantum_min_packets)
         local_left = nic.allowance(now) if nic is not None else 1 << 62
         quantum = gate.quantum(bool(heap) and heap[0][2] == 0)
         if nic is not None:
             # Tokens never exceed the bucket's depth: a quantum deeper than the NIC's bucket
             # waits for a full bucket (else the wait would come true at once, forever).
-            quantum = min(quantum, int(nic.config.burst_bytes))
+            quantum = min(quantum, nic.depth)
         if local_left < quantum and nic is not None:
             # Wait for a whole quantum of tokens: same rate, fewer and larger batches.
             self._pace_at = nic.next_send_time(now, quantum)
@@ -664,6 +665,7 @@ class SenderCore:
         paths = t.path[idx].astype(np.int64)
         sizes = t.lengths[idx].astype(np.int64)
         self.paths[peer].on_lost(paths, sizes, now)
+        self._gate.on_loss(now)
         for q in np.unique(paths):
             sel = paths == q
             # A reliable transfer must deliver every chunk: any loss of it is congestion.
