@@ -35,9 +35,14 @@ queue of a low-priority class) drops its tail at any rate. A sender that waits f
 tokens and sends it at once (fewer, larger batches: the way to keep a pass's fixed cost low) can
 let :class:`BurstControl` set that quantum by loss, additive increase and multiplicative
 decrease as TCP sets its window: halve on a loss event, at most once per ``hold_s``; grow by one
-datagram per ``grow_s`` without loss; within ``[min_packets, max_packets]``. The pacers' depths
-follow (:meth:`Pacer.set_depth`). A clean network keeps the large bursts; a lossy one gets short
-ones, and they grow back once the losses stop.
+datagram per ``grow_s`` without one; within ``[min_packets, max_packets]``. The pacers' depths
+follow (:meth:`Pacer.set_depth`). A loss event is a loss *rate*, as in BBRv2 (Cardwell et al.,
+IETF 104, 2019: inflight is cut only when a round loses more than 2%): the datagrams lost in a
+window of the ones sent (at least ``4 · max_packets`` and ``hold_s`` long) above ``loss_thresh``
+of them. A queue that drops the tails of bursts loses a share of every burst; a stray loss (a
+receiver's socket buffer overrun while its process waited for a core, a bit error) is no sign
+that bursts are too long, and cutting on it would cost a clean network its large bursts. A clean
+network keeps them; a lossy one gets short ones, and they grow back once the losses stop.
 """
 
 from __future__ import annotations
@@ -348,13 +353,24 @@ class Pacer:
 class BurstControl:
     """Datagrams a sender lets go back to back, set by loss (see the module doc).
 
-    ``packets(now)`` is the current burst; ``on_loss(now)`` halves it (at most once per
-    ``hold_s``, so the losses of one burst count once) and restarts its growth, one datagram
-    per ``grow_s`` without a loss, up to ``max_packets``. ``min_packets == max_packets`` keeps
-    it fixed. Pure: times are passed in.
+    ``packets(now)`` is the current burst. The sender reports what it sends (``on_sent``) and
+    what it finds lost (``on_loss``); when the losses of the current and the previous window
+    exceed ``loss_thresh`` of their datagrams (and of ``4 · max_packets`` while fewer were
+    sent; a window closes once that many left and ``hold_s`` passed), the
+    burst halves — at most once per ``hold_s``, so the losses of one burst count once — and its
+    growth restarts, one datagram per ``grow_s`` without such a loss, up to ``max_packets``.
+    ``loss_thresh`` 0 cuts on every loss. ``min_packets == max_packets`` keeps it fixed. Pure:
+    times are passed in.
     """
 
-    def __init__(self, max_packets: int, min_packets: int, hold_s: float, grow_s: float) -> None:
+    def __init__(
+        self,
+        max_packets: int,
+        min_packets: int,
+        hold_s: float,
+        grow_s: float,
+        loss_thresh: float = 0.02,
+    ) -> None:
         if not 1 <= min_packets <= max_packets:
             raise ConfigError(
                 f"burst bounds must satisfy 1 <= min_packets <= max_packets, got {min_packets}, "
@@ -362,13 +378,24 @@ class BurstControl:
             )
         if not (0.0 <= hold_s < math.inf and 0.0 < grow_s < math.inf):
             raise ConfigError(f"hold_s must be >= 0 and grow_s > 0, got {hold_s}, {grow_s}")
+        if not 0.0 <= loss_thresh < 1.0:
+            raise ConfigError(f"loss_thresh must be in [0, 1), got {loss_thresh}")
         self.max_packets = max_packets
         self.min_packets = min_packets
         self._hold = hold_s
         self._grow = grow_s
+        self._thresh = loss_thresh
+        # The loss rate's window: datagrams sent and lost since it opened (a few bursts at
+        # least, so that one burst's tail is a share of something), with the previous window's
+        # counts, since a loss is found a round trip after its datagram left.
+        self._window = 4 * max_packets
+        self._sent = self._lost = self._prev_sent = self._prev_lost = 0
+        self._opened = -math.inf
         self._base = max_packets  # the burst at ``_anchor``, growing from there
         self._anchor = -math.inf
         self._cut_at = -math.inf
+        #: Times the burst was halved (for stats and tests).
+        self.cuts = 0
 
     def packets(self, now: float) -> int:
         """The burst at ``now``, in datagrams."""
@@ -377,11 +404,29 @@ class BurstControl:
         grown = int(max(0.0, now - self._anchor) / self._grow)
         return min(self.max_packets, self._base + grown)
 
-    def on_loss(self, now: float) -> None:
-        """A loss was detected at ``now``."""
+    def on_sent(self, now: float, n: int) -> None:
+        """``n`` datagrams left at ``now``."""
+        self._sent += n
+        if self._sent >= self._window and now >= self._opened + self._hold:
+            self._open(now)
+
+    def on_loss(self, now: float, n: int = 1) -> None:
+        """``n`` datagrams were found lost at ``now``."""
+        self._lost += n
+        sent = self._sent + self._prev_sent
+        if self._lost + self._prev_lost <= self._thresh * max(sent, self._window):
+            return  # a loss rate no burst length explains
         burst = self.packets(now)
         if now >= self._cut_at + self._hold:
             burst = max(self.min_packets, burst // 2)
             self._cut_at = now
+            self.cuts += 1
+            self._open(now)
+            self._prev_sent = self._prev_lost = 0  # what follows a cut is judged on its own
         self._base = burst
         self._anchor = now
+
+    def _open(self, now: float) -> None:
+        self._prev_sent, self._prev_lost = self._sent, self._lost
+        self._sent = self._lost = 0
+        self._opened = now

@@ -81,10 +81,15 @@ class TransportConfig:
     """0: the quantum is fixed. Else the quantum follows loss between this and
     ``tx_quantum_packets`` (:class:`~gradlane.scheduling.pacing.BurstControl`: halved on a loss
     event, at most once per ``min_rto_s``; one packet more per ``tx_quantum_grow_s`` without
-    loss), and the pacers' depths scale with it: short bursts where a queue drops their tails,
+    one), and the pacers' depths scale with it: short bursts where a queue drops their tails,
     long ones (fewer passes) where none does."""
     tx_quantum_grow_s: float = 0.1
-    """With ``tx_quantum_min_packets``: loss-free time per packet the quantum grows back."""
+    """With ``tx_quantum_min_packets``: time without a loss event per packet the quantum grows
+    back."""
+    tx_quantum_loss_thresh: float = 0.02
+    """With ``tx_quantum_min_packets``: a loss event is more than this share of the datagrams
+    sent lost (in a window of at least four full quanta and ``min_rto_s``), as BBRv2's 2%: a
+    stray loss does not cut the bursts. 0: every loss does."""
     rx_coalesce_s: float = 0.0
     """Hold received datagrams up to this long to process them as one batch (like NIC
     interrupt moderation); 0 processes at the next driver call."""
@@ -169,6 +174,10 @@ class TransportConfig:
             raise ConfigError("tx_quantum_packets must be >= 1 and rx_coalesce_s >= 0")
         if not 0.0 < self.tx_quantum_grow_s < math.inf:
             raise ConfigError(f"tx_quantum_grow_s={self.tx_quantum_grow_s}: must be > 0")
+        if not 0.0 <= self.tx_quantum_loss_thresh < 1.0:
+            raise ConfigError(
+                f"tx_quantum_loss_thresh={self.tx_quantum_loss_thresh}: must be in [0, 1)"
+            )
         if not 0 <= self.tx_quantum_min_packets <= self.tx_quantum_packets:
             raise ConfigError(
                 f"tx_quantum_min_packets={self.tx_quantum_min_packets}: between 0 (a fixed "

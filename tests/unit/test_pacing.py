@@ -282,7 +282,7 @@ def test_a_smaller_depth_caps_the_tokens_and_the_wait() -> None:
 
 
 def test_a_burst_halves_on_loss_once_per_hold_and_grows_back_one_packet_at_a_time() -> None:
-    b = BurstControl(32, 8, hold_s=0.002, grow_s=0.01)
+    b = BurstControl(32, 8, hold_s=0.002, grow_s=0.01, loss_thresh=0.0)  # every loss counts
     assert b.packets(0.0) == 32
     b.on_loss(1.0)
     assert b.packets(1.0) == 16
@@ -298,6 +298,28 @@ def test_a_burst_halves_on_loss_once_per_hold_and_grows_back_one_packet_at_a_tim
     assert b.packets(1.02 + 0.01 * 1000) == 32  # nor above the top
 
 
+def test_a_burst_is_cut_by_a_loss_rate_not_by_a_stray_loss() -> None:
+    """2% of a window of at least four full bursts (128 datagrams here): two losses among
+    them are no reason to shorten the bursts, a third is; among 1000 sent, 20 are not."""
+    b = BurstControl(32, 8, hold_s=0.002, grow_s=0.01)
+    b.on_sent(0.0, 100)
+    b.on_loss(0.001, 2)
+    assert b.packets(0.001) == 32 and b.cuts == 0
+    b.on_loss(0.002)  # 3 of 128: the queue drops a share of every burst
+    assert b.packets(0.002) == 16 and b.cuts == 1
+    # A new window opened at the cut: the same burst's other losses found later count in it.
+    b.on_loss(0.0021, 2)
+    assert b.packets(0.0021) == 16
+    # Many datagrams later (a window closes once 128 left and the hold passed; the rate is over
+    # it and the one before): 20 lost of 1000 is 2%, not above it.
+    b.on_sent(1.0, 200)
+    b.on_sent(1.1, 1000)
+    b.on_loss(1.1, 20)
+    assert b.cuts == 1 and b.packets(1.1) == 32  # and the growth went on meanwhile
+    b.on_loss(1.1)
+    assert b.cuts == 2 and b.packets(1.1) == 16
+
+
 def test_a_burst_with_equal_bounds_is_fixed() -> None:
     b = BurstControl(4, 4, hold_s=0.0, grow_s=0.001)
     b.on_loss(0.0)
@@ -307,8 +329,9 @@ def test_a_burst_with_equal_bounds_is_fixed() -> None:
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [((8, 16, 0.001, 0.01), "min_packets <= max_packets"), ((8, 0, 0.001, 0.01), "1 <="),
-     ((8, 4, -1.0, 0.01), "hold_s"), ((8, 4, 0.001, 0.0), "grow_s")],
+     ((8, 4, -1.0, 0.01), "hold_s"), ((8, 4, 0.001, 0.0), "grow_s"),
+     ((8, 4, 0.001, 0.01, 1.0), "loss_thresh"), ((8, 4, 0.001, 0.01, -0.1), "loss_thresh")],
 )  # fmt: skip
-def test_burst_bounds_are_checked(args: tuple[int, int, float, float], fragment: str) -> None:
+def test_burst_bounds_are_checked(args: tuple[float, ...], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         BurstControl(*args)

@@ -376,5 +376,6 @@ def test_a_loss_halves_the_next_bursts_when_the_quantum_follows_loss(adaptive):
     sender.on_nack(key, 0, bits, now=1.0, newest=31)
     # Long idle: the bucket is as full as its depth lets it be (the resend goes first).
     assert _sent(eps[0], 2.0) == (16 if adaptive else 32)
+    assert eps[0].endpoint.stats()["burst_cuts"] == (1 if adaptive else 0)
     # Grown back (one datagram per 10 s here): the full bursts again.
     assert _sent(eps[0], 2.0 + 10.0 * 4) == 32

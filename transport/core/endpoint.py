@@ -291,6 +291,7 @@ class Endpoint:
             "early_dropped": self.receiver.early_dropped,
             "early_expired": self.receiver.early_expired,
             "early_control_dropped": self.receiver.early_control_dropped,
+            "burst_cuts": self.sender.burst_cuts,
         }
 
     # -- internals ---------------------------------------------------------------------------

@@ -91,14 +91,26 @@ class PaceGate:
                 config.tx_quantum_min_packets,
                 hold_s=config.min_rto_s,
                 grow_s=config.tx_quantum_grow_s,
+                loss_thresh=config.tx_quantum_loss_thresh,
             )
         self._depths = {key: p.depth for key, p in pacers.items()}
         self._nic_depth = nic.depth if nic is not None else 0
 
-    def on_loss(self, now: float) -> None:
-        """A loss was detected: a shorter burst from the next pass (adaptive quantum only)."""
+    def on_sent(self, now: float, n: int) -> None:
+        """``n`` datagrams left (what the loss rate of :meth:`on_loss` is a share of)."""
         if self._burst is not None:
-            self._burst.on_loss(now)
+            self._burst.on_sent(now, n)
+
+    def on_loss(self, now: float, n: int = 1) -> None:
+        """``n`` datagrams were found lost: a shorter burst from the next pass when the loss
+        rate says the bursts are too long (adaptive quantum only)."""
+        if self._burst is not None:
+            self._burst.on_loss(now, n)
+
+    @property
+    def burst_cuts(self) -> int:
+        """Times the adaptive quantum was halved (0 with a fixed quantum)."""
+        return self._burst.cuts if self._burst is not None else 0
 
     def adapt(self, now: float) -> None:
         """Set the quantum, and the pacers' depths in proportion, to the burst loss allows at

@@ -349,6 +349,11 @@ class SenderCore:
         if want.size:
             self._sendable.add(key)
 
+    @property
+    def burst_cuts(self) -> int:
+        """Times loss halved the send quantum (``tx_quantum_min_packets``; 0 when fixed)."""
+        return self._gate.burst_cuts
+
     def n_chunks(self, key: OutKey) -> int | None:
         """Chunks of the live outgoing transfer ``key`` (None: finished, or never ours): what
         an ACK or NACK about it may cover, checked before its bitmap is unpacked."""
@@ -471,6 +476,7 @@ class SenderCore:
                     - 1
                 )
             sent, consumed, nbytes = self._send_batch(t, cls, now, avail, budget, out, upto)
+            gate.on_sent(now, sent)
             budget -= sent
             allowance[peer] -= nbytes
             local_left -= nbytes
@@ -665,7 +671,7 @@ class SenderCore:
         paths = t.path[idx].astype(np.int64)
         sizes = t.lengths[idx].astype(np.int64)
         self.paths[peer].on_lost(paths, sizes, now)
-        self._gate.on_loss(now)
+        self._gate.on_loss(now, int(idx.size))
         for q in np.unique(paths):
             sel = paths == q
             # A reliable transfer must deliver every chunk: any loss of it is congestion.
