@@ -40,9 +40,10 @@ follow (:meth:`Pacer.set_depth`). A loss event is a loss *rate*, as in BBRv2 (Ca
 IETF 104, 2019: inflight is cut only when a round loses more than 2%): the datagrams lost in a
 window of the ones sent (at least ``4 · max_packets`` and ``hold_s`` long) above ``loss_thresh``
 of them. A queue that drops the tails of bursts loses a share of every burst; a stray loss (a
-receiver's socket buffer overrun while its process waited for a core, a bit error) is no sign
-that bursts are too long, and cutting on it would cost a clean network its large bursts. A clean
-network keeps them; a lossy one gets short ones, and they grow back once the losses stop.
+datagram declared lost that was only late, its receiver or its ACK waiting for a core; a bit
+error) is no sign that bursts are too long, and cutting on it would cost a clean network its
+large bursts. A clean network keeps them; a lossy one gets short ones, and they grow back once
+the losses stop.
 """
 
 from __future__ import annotations
