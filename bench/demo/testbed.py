@@ -108,6 +108,7 @@ def run_testbed_demo(
     returns the comparison."""
     from gradlane.bench.replay.run import TESTBED_TRANSPORT, TestbedNetwork
     from gradlane.bench.testbed.netns import Testbed, TestbedSpec, privilege
+    from gradlane.bench.testbed.orphans import owned_prefix, sweep_orphans
 
     if opts.transport != "udp":
         raise ValueError("the testbed demo runs gradlane over UDP (its multipath data plane)")
@@ -115,12 +116,13 @@ def run_testbed_demo(
         raise ValueError(f"--steps must be more than the {opts.warmup_steps} warm-up steps")
     privilege()  # TestbedUnavailable names what is missing (root)
     opts = replace(opts, ranks=tb.hosts, inject_loss=0.0)
+    sweep_orphans("dm")  # what killed runs left (nothing else removes it)
     spec = TestbedSpec(
         hosts=tb.hosts,
         spines=2,
         link_mbit=tb.link_mbit,
         queue_packets=tb.queue,
-        prefix=f"dm{os.getpid() % 1_000_000}",
+        prefix=owned_prefix("dm"),
     )
     results: dict[str, dict[int, dict[str, Any]]] = {run: {} for run in TESTBED_RUNS}
     t0 = time.perf_counter()

@@ -603,17 +603,19 @@ def _on_testbed(
 ) -> dict[str, Any]:
     """Bring up a testbed (torn down whatever happens), start cross traffic, replay."""
     from gradlane.bench.testbed.netns import Testbed, TestbedSpec, privilege
+    from gradlane.bench.testbed.orphans import owned_prefix, sweep_orphans
 
     privilege()  # raises TestbedUnavailable, naming what is missing (root)
     overrides = _settings(args.set)  # bad settings fail before the testbed is built
     cross = args.cross if args.cross is not None else preset.get("cross", 0.0)
+    sweep_orphans("rp")  # what killed runs left (nothing else removes it)
     spec = TestbedSpec(
         hosts=args.hosts,
         spines=2,
         link_mbit=args.link_mbit,
         queue_packets=args.queue_packets,
         priority=args.switch_priority or preset.get("switch_priority", False),
-        prefix=f"rp{os.getpid() % 1_000_000}",
+        prefix=owned_prefix("rp"),
     )
     with Testbed(spec) as bed:
         net = TestbedNetwork(
