@@ -49,7 +49,7 @@ def test_every_phase_reports_its_summary_targets_and_host(campaign: dict[str, An
             assert key not in summary and met[key] is None
             continue
         assert key in summary, f"no {key} in the summary"
-        assert met[key] in (True, False)
+        assert met[key] in (True, False), f"{key} not measured: {summary.get(key)!r}"
     for key in ("cpu_model", "cpus", "load_start", "load_end", "warning"):
         assert key in campaign["host"]
     assert summary["datagrams_sent"] > 0 and summary["spray_collectives"] > 0
@@ -69,7 +69,10 @@ def test_every_collective_is_exact_and_no_daemon_dies(campaign: dict[str, Any]):
     assert summary["kill_rank_named"] and summary["kill_daemon_named"]
     assert summary["kill_trainer_named"] and summary["kill_trainer_rejoin_exact"]
     assert summary["kill_daemon_restart_exact"] is True
-    assert summary["path_death_failed_steps"] == 0
+    path_death = campaign["phases"]["faults"]["path_death"]
+    # The case's errors and path states, so that a failure says why.
+    detail = {k: path_death.get(k) for k in ("errors", "moved_s", "path_state", "paths_after")}
+    assert summary["path_death_failed_steps"] == 0, detail
     assert summary["soak_exact_fraction"] == 1.0 and summary["soak_failed"] == 0
 
 
