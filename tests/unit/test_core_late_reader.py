@@ -264,3 +264,25 @@ def test_a_nack_resends_what_the_newest_arrival_overtook_in_its_lane_only():
     assert not t.on_their_way(idx, arrived, floor, srtt, 1, now=0.006).any()
     assert t.on_their_way(idx, -1, floor, srtt, 1, now=0.003).all()
     assert not t.on_their_way(idx, -1, floor, srtt, 1, now=0.006).any()
+
+
+def test_a_nack_waits_for_another_paths_rtt_bound_not_its_average():
+    """The receiver's pass end can come over a fast path while a congested one still queues
+    the chunks sent before it: a NACK names them too soon. The sender holds a chunk on another
+    lane for that path's RTT bound (smoothed RTT plus four deviations), not the smoothed RTT
+    alone, which lags a growing queue."""
+    ep, t, sent, _newest, other, _before = _late_pair(also_missing=True)
+    p_other = int(t.path[other])
+    p_arrived = 1 - p_other
+    arrived = [c for c, q in sent if q == p_arrived][-1]
+    ps = ep.sender.paths[int(t.key.dst)]
+    ps._srtt[:] = 0.002  # 2 ms on average...
+    ps._rttvar[:] = 0.001  # ...but varying: the bound is 6 ms
+    ps._min_rtt[:] = 0.0002
+    bits = np.zeros(t.n_chunks, dtype=bool)
+    bits[other] = True
+    age = float(t.sent_at[other])
+    ep.sender.on_nack(t.key, 0, bits, age + 0.004, newest=arrived)
+    assert t.state[other] == INFLIGHT  # older than the average, within the bound: on its way
+    ep.sender.on_nack(t.key, 0, bits, age + 0.007, newest=arrived)
+    assert t.state[other] == LOST

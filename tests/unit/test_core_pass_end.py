@@ -100,7 +100,7 @@ def test_a_reliable_tail_gap_is_nacked_when_the_pass_ends():
 
 
 def test_a_nack_naming_a_newer_arrival_resends_what_it_overtook():
-    """The smoothed RTT says a chunk sent 3 ms ago may still be on its way (a loaded host's
+    """The path's RTT bound says a chunk sent 3 ms ago may still be on its way (a loaded host's
     scheduling delay), but the receiver already has a chunk sent after it: it is lost."""
     cfg = TransportConfig(chunk_bytes=256, priority=PriorityConfig(policy="flat"))
     ep = Endpoint(0, 2, cfg)
@@ -125,7 +125,7 @@ def test_a_nack_naming_a_newer_arrival_resends_what_it_overtook():
     t.tx_seq[4] = t.next_tx_seq + 1  # resent after the newest arrival, 0.1 ms ago
     ep.sender.on_nack(key, 0, bits, 0.0031, newest=newest)
     assert t.state[4] == INFLIGHT  # may be on its way: no duplicate
-    ep.sender.on_nack(key, 0, bits, 0.0031)  # no evidence: the smoothed RTT rule
+    ep.sender.on_nack(key, 0, bits, 0.0031)  # no evidence: the RTT bound's rule
     assert t.state[4] == INFLIGHT
 
 

@@ -356,6 +356,10 @@ def test_rtt_and_rto() -> None:
     ps.on_probe_ack(1, 0.0, 1e-5)
     assert ps.rto(1) == pytest.approx(0.001)  # floor
     assert ps.rtos().shape == (2,)
+    # The RTT bound: the RTO without its floor and initial value (0 before a sample).
+    assert ps.rtt_bounds()[0] == pytest.approx(0.03)
+    assert ps.rtt_bounds()[1] == pytest.approx(1e-5 * 3)  # srtt 10 us + 4 x 5 us
+    assert make(2).rtt_bounds().tolist() == [0.0, 0.0]
 
 
 def test_idle_gaps_do_not_lower_the_rate() -> None:

@@ -332,26 +332,27 @@ class OutTransfer:
         idx: np.ndarray,
         newest: int,
         floor: np.ndarray,
-        srtt: np.ndarray,
+        bound: np.ndarray,
         n_classes: int,
         now: float,
     ) -> np.ndarray:
         """Which chunks of ``idx`` a NACK asks for too soon: each may still be on its way.
 
         ``newest`` is the newest chunk the receiver had when it asked (-1: unknown), ``floor``
-        and ``srtt`` per path the least time a chunk takes (smallest RTT, at least the reorder
-        window) and the smoothed RTT. A chunk that ``newest`` overtook in its own lane (path ×
-        ``n_classes`` + class: one FIFO queue) is lost; one sent after it in that lane is on its
-        way for ``floor``. A chunk on another lane may sit behind a deeper queue there: what
-        arrived over one path says nothing of another's, so it is on its way for its path's
-        smoothed RTT, as every chunk is without ``newest``."""
+        and ``bound`` per path the least time a chunk takes (smallest RTT, at least the reorder
+        window) and the longest it may take (smoothed RTT plus four deviations,
+        :meth:`~gradlane.scheduling.paths.PathSet.rtt_bounds`). A chunk that ``newest``
+        overtook in its own lane (path × ``n_classes`` + class: one FIFO queue) is lost; one
+        sent after it in that lane is on its way for ``floor``. A chunk on another lane may sit
+        behind a deeper queue there: what arrived over one path says nothing of another's, so
+        it is on its way for its path's ``bound``, as every chunk is without ``newest``."""
         age = now - self.sent_at[idx]
         path = self.path[idx]
         if newest < 0:
-            return age < srtt[path]
+            return age < bound[path]
         same = self.lanes(idx, n_classes) == self.lanes(np.array([newest]), n_classes)[0]
         overtaken = same & (self.tx_seq[idx] < self.tx_seq[newest])
-        wait = np.where(same, floor[path], np.maximum(floor, srtt)[path])
+        wait = np.where(same, floor[path], np.maximum(floor, bound)[path])
         return ~overtaken & (age < wait)
 
     def rack_lost(self, n_classes: int, reorder_window_s: float, now: float) -> np.ndarray:

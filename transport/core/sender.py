@@ -315,11 +315,12 @@ class SenderCore:
         A chunk this sender last sent before that chunk's last transmission in the same lane
         (path and class) should have arrived: it is lost. One sent after it there may still be
         on its way, if it left less than the path's smallest RTT (at least the reorder window)
-        ago; one on another path, if it left less than that path's smoothed RTT ago (a deeper
-        queue there is no loss: :meth:`OutTransfer.on_their_way`).
-        Without ``newest`` a chunk sent less than a smoothed RTT ago counts as on its way —
-        and on a loaded host the smoothed RTT is mostly scheduling delay, so a resend that is
-        lost too would wait for the retransmission timeout while the receiver NACKs in vain.
+        ago; one on another path, if it left less than that path's RTT bound ago (smoothed RTT
+        plus four deviations: a deeper or growing queue there is no loss — the receiver's pass
+        end may come over a fast path while a congested one still queues the chunks before it:
+        :meth:`OutTransfer.on_their_way`). Without ``newest`` a chunk sent less than the RTT
+        bound ago counts as on its way; a resend that is lost too waits no longer than its
+        retransmission timeout would.
         """
         span = self._bitmap_span(key, base, bits)
         if span is None:
@@ -331,8 +332,9 @@ class SenderCore:
         evidence = 0 <= newest < t.n_chunks
         floor = np.maximum(ps.min_rtts(), self.config.reorder_window_s)
         floor[~np.isfinite(floor)] = self.config.reorder_window_s
-        srtt = np.nan_to_num([ps.rtt_estimate(q) for q in range(self._n_paths)], nan=0.0)
-        young = t.on_their_way(idx, newest if evidence else -1, floor, srtt, len(self._tos), now)
+        young = t.on_their_way(
+            idx, newest if evidence else -1, floor, ps.rtt_bounds(), len(self._tos), now
+        )
         idx = idx[~((t.state[idx] == INFLIGHT) & young)]
         st = t.state[idx]
         want = idx[(st == INFLIGHT) | (st == ABANDONED)]
