@@ -73,6 +73,7 @@ __all__ = [
     "path_addr",
     "privilege",
     "read_ready",
+    "root_namespaces",
     "state_path",
     "stop_process",
 ]
@@ -382,10 +383,14 @@ class _Runner:
         out = self.run(["ip", "netns", "list"], check=False).stdout
         return [line.split()[0] for line in out.splitlines() if line.strip()]
 
+    def pids(self, ns: str) -> list[int]:
+        """The processes inside ``ns``."""
+        out = self.run(["ip", "netns", "pids", ns], check=False).stdout
+        return [int(p) for p in out.split() if p.isdigit()]
+
     def kill_inside(self, ns: str) -> int:
         """SIGKILL every process left inside ``ns``; returns how many there were."""
-        out = self.run(["ip", "netns", "pids", ns], check=False).stdout
-        pids = [int(p) for p in out.split() if p.isdigit()]
+        pids = self.pids(ns)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -725,6 +730,12 @@ def _remove(runner: _Runner, prefix: str) -> list[str]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(runner.holder_pid, signal.SIGKILL)
     return names
+
+
+def root_namespaces() -> dict[str, list[int]]:
+    """As root: every named network namespace and the processes inside it."""
+    runner = _Runner()
+    return {ns: runner.pids(ns) for ns in runner.namespaces()}
 
 
 def down_all(prefix: str) -> list[str]:

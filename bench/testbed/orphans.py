@@ -17,7 +17,13 @@ import re
 import subprocess
 from pathlib import Path
 
-from gradlane.bench.testbed.netns import CMD_TIMEOUT_S, TestbedUnavailable, down_all, privilege
+from gradlane.bench.testbed.netns import (
+    TestbedError,
+    TestbedUnavailable,
+    down_all,
+    privilege,
+    root_namespaces,
+)
 from gradlane.transport.errors import ConfigError
 
 __all__ = ["PID_MOD", "owned_prefix", "owner_alive", "sweep_orphans"]
@@ -53,11 +59,6 @@ def owner_alive(n: int) -> bool:
     return any(_alive(pid) for pid in range(n, pid_max + 1, PID_MOD) if pid > 0)
 
 
-def _run(argv: list[str]) -> str:
-    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
-    return done.stdout
-
-
 def sweep_orphans(kind: str) -> list[str]:
     """Remove the testbeds ``{kind}{n}-*`` whose owner is gone and that hold no process; returns
     the namespaces removed. Never raises for what it cannot do (no root, ``ip`` failing): the
@@ -65,24 +66,22 @@ def sweep_orphans(kind: str) -> list[str]:
     try:
         if privilege() != "root":
             return []
-        names = [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line]
-    except (TestbedUnavailable, OSError, subprocess.SubprocessError):
+        inside = root_namespaces()
+    except (TestbedUnavailable, TestbedError, OSError, subprocess.SubprocessError):
         return []
     pattern = re.compile(rf"^{re.escape(kind)}(\d+)-[hls]\d+$")
     owners: dict[int, list[str]] = {}
-    for ns in names:
+    for ns in inside:
         m = pattern.match(ns)
         if m:
             owners.setdefault(int(m.group(1)), []).append(ns)
     removed: list[str] = []
     for n, spaces in sorted(owners.items()):
-        if owner_alive(n):
-            continue
+        if owner_alive(n) or any(inside[ns] for ns in spaces):
+            continue  # a process could own it, or something still runs inside: not ours to end
         try:
-            if any(_run(["ip", "netns", "pids", ns]).split() for ns in spaces):
-                continue  # something still runs inside: not ours to end
             removed += [r for r in down_all(f"{kind}{n}") if r in spaces]
-        except (OSError, subprocess.SubprocessError, ConfigError) as exc:  # e.g. too long a name
+        except (TestbedError, OSError, subprocess.SubprocessError, ConfigError) as exc:
             log.warning("could not remove the orphaned testbed %s%d: %s", kind, n, exc)
     if removed:
         log.warning("removed %d namespaces of killed runs: %s", len(removed), " ".join(removed))
