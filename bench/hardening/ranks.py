@@ -18,7 +18,8 @@ serves commands until ``close``:
 ``path_death``
     ``loop`` whose rank silences a path (a shared flag that every rank's :class:`PathSilence`
     tap reads) ``arm_after_s`` into step ``first_step + arm_step``, then watches its path
-    statistics until the silent path toward the peer leaves UP.
+    statistics, on a thread while the steps go on, until the silent path toward the peer
+    leaves UP.
 ``stats``
     the plane's :meth:`~gradlane.transport.drivers.udp.plane.UdpPlane.stats`.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -161,7 +163,7 @@ def _loop(
     exact = inexact = 0
     error: dict[str, Any] | None = None
     stop_at: int | None = None
-    watch: dict[str, Any] | None = None
+    watcher: _PathWatch | None = None
     step = first_step
     while step < first_step + max_steps and (stop_at is None or step <= stop_at):
         while conn.poll():
@@ -177,7 +179,7 @@ def _loop(
         t0 = time.perf_counter()
         fut = plane.submit(step, bucket, inputs[k][spec.rank])
         if cmd == "path_death" and step - first_step == arm_step:
-            watch = _silence_and_watch(plane, spec, flag, arm_after_s, dead_path, wait_s)
+            watcher = _PathWatch(plane, spec, flag, arm_after_s, dead_path, wait_s)
         try:
             result, _report = fut.result(wait_s)
         except Exception as e:  # the collective failed: that is the finding, not a crash
@@ -198,6 +200,7 @@ def _loop(
         exact += ok
         inexact += not ok
         step += 1
+    watch = watcher.result() if watcher is not None else None
     return {
         "first_step": first_step,
         "last_step": step - 1,
@@ -210,33 +213,53 @@ def _loop(
     }
 
 
-def _silence_and_watch(
-    plane: UdpPlane, spec: RankSpec, flag: Any, after_s: float, dead: int, limit_s: float
-) -> dict[str, Any]:
-    """Silence path ``dead`` ``after_s`` from now (mid-step), then read the path statistics
-    toward the peer until that path leaves UP: when, and the other path's smoothed RTT then."""
-    peer = (spec.rank + 1) % spec.world
-    t_arm = time.monotonic() + after_s
-    while time.monotonic() < t_arm:  # a busy wait of a few ms: the step is in flight
-        pass
-    flag.value = 1
-    t0 = time.monotonic()
-    state, srtt = "UP", None
-    while time.monotonic() - t0 < limit_s:
-        paths = plane.stats()["paths"].get(peer)
-        if paths is not None:
-            state = paths["state"][dead]
-            live = [p for p in range(len(paths["state"])) if p != dead]
-            srtt = paths["srtt_s"][live[0]] if live else None
-            if state != "UP":
-                break
-        time.sleep(WATCH_PERIOD_S)
-    return {
-        "t_silence": t0,
-        "moved_s": time.monotonic() - t0 if state != "UP" else None,
-        "state": state,
-        "srtt_live_s": srtt,
-    }
+class _PathWatch:
+    """Silence path ``dead`` ``after_s`` from now (mid-step), then, on a thread of its own,
+    read the path statistics toward the peer until that path leaves UP: when, and the other
+    path's smoothed RTT then.
+
+    The steps go on meanwhile: a path is judged by the traffic sent on it, so one that
+    carries nothing after the silence stays UP until the next step sends on it. A watch that
+    held the step loop would hold that step back too, and the peer's would then miss its
+    deadline waiting for this rank.
+    """
+
+    def __init__(
+        self, plane: UdpPlane, spec: RankSpec, flag: Any, after_s: float, dead: int, limit_s: float
+    ) -> None:
+        self._plane, self._dead, self._limit_s = plane, dead, limit_s
+        self._peer = (spec.rank + 1) % spec.world
+        self._stop = threading.Event()
+        self._out: dict[str, Any] = {}
+        t_arm = time.monotonic() + after_s
+        while time.monotonic() < t_arm:  # a busy wait of a few ms: the step is in flight
+            pass
+        flag.value = 1
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._watch, name="path-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        state, srtt = "UP", None
+        while time.monotonic() - self._t0 < self._limit_s and not self._stop.is_set():
+            paths = self._plane.stats()["paths"].get(self._peer)
+            if paths is not None:
+                state = paths["state"][self._dead]
+                live = [p for p in range(len(paths["state"])) if p != self._dead]
+                srtt = paths["srtt_s"][live[0]] if live else None
+                if state != "UP":
+                    break
+            self._stop.wait(WATCH_PERIOD_S)
+        moved = time.monotonic() - self._t0 if state != "UP" else None
+        self._out = {"t_silence": self._t0, "moved_s": moved, "state": state, "srtt_live_s": srtt}
+
+    def result(self) -> dict[str, Any]:
+        """What the watch saw: ``moved_s`` (None: the path was still UP when the steps
+        ended), ``state``, ``srtt_live_s`` and ``t_silence``."""
+        if self._thread.is_alive():  # the steps ended first: one last look, then stop
+            self._stop.set()
+        self._thread.join(self._limit_s)
+        return dict(self._out)
 
 
 # -- the parent's side ---------------------------------------------------------------------------
