@@ -48,6 +48,14 @@ class StepStats:
     nonfinite_chunks: int = 0
     """Chunks of the step's results holding NaN or infinite values
     (:attr:`~gradlane.transport.core.events.CollectiveReport.nonfinite_chunks`)."""
+    format_bytes: tuple[int, int, int] = (0, 0, 0)
+    """Payload bytes this rank started sending, by wire format: float32, bfloat16, E4M3."""
+    compressed_share: float = 0.0
+    """Share of the elements this rank sent in a lossy wire format."""
+    rel_error: float = 0.0
+    """Relative error of what this rank sent: ``sqrt(Σ rounding error² / Σ value²)``."""
+    precision_level: float = 0.0
+    """The adaptive wire-precision level the step's buckets started with (the largest)."""
 
 
 @dataclass
@@ -64,6 +72,12 @@ class _OpenStep:
     retransmitted: int = 0
     failed: int = 0
     nonfinite: int = 0
+    format_bytes: tuple[int, int, int] = (0, 0, 0)
+    lossy_elems: int = 0
+    elems: int = 0
+    err2: float = 0.0
+    norm2: float = 0.0
+    level: float = 0.0
 
 
 class StepLedger:
@@ -110,6 +124,15 @@ class StepLedger:
                 o.degraded += int(report.degraded)
                 o.retransmitted += sum(report.sender.retransmitted)
                 o.nonfinite += report.nonfinite_chunks
+                snd = report.sender
+                fb = snd.format_bytes
+                o.format_bytes = (o.format_bytes[0] + fb[0], o.format_bytes[1] + fb[1],
+                                  o.format_bytes[2] + fb[2])  # fmt: skip
+                o.lossy_elems += snd.lossy_elems
+                o.elems += snd.elems
+                o.err2 += snd.err2
+                o.norm2 += snd.norm2
+                o.level = max(o.level, report.precision_level)
             if o.expected is None or o.done < o.expected:
                 return
             del self._open[step]
@@ -124,6 +147,10 @@ class StepLedger:
                 retransmitted=o.retransmitted,
                 failed_buckets=o.failed,
                 nonfinite_chunks=o.nonfinite,
+                format_bytes=o.format_bytes,
+                compressed_share=o.lossy_elems / o.elems if o.elems else 0.0,
+                rel_error=float(np.sqrt(o.err2 / o.norm2)) if o.norm2 > 0 else 0.0,
+                precision_level=o.level,
             )
             self._history.append(st)
             t = self.totals

@@ -22,6 +22,7 @@ import numpy as np
 from gradlane.scheduling.loss import LossConfig
 from gradlane.scheduling.pacing import PacingConfig
 from gradlane.scheduling.paths import PathConfig
+from gradlane.scheduling.precision import PrecisionConfig
 from gradlane.scheduling.priority import PriorityConfig
 from gradlane.transport.errors import ConfigError
 from gradlane.transport.wire.header import HEADER_SIZE, ITEMSIZE, MAX_UDP_PAYLOAD
@@ -144,6 +145,8 @@ class TransportConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     paths: PathConfig = field(default_factory=PathConfig)
     pacing: PacingConfig = field(default_factory=PacingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """The wire precision of float32 buckets' chunks (default: all float32, bit-exact sums)."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -189,6 +192,12 @@ class TransportConfig:
             raise ConfigError(f"socket_buffer_bytes={self.socket_buffer_bytes}: at least 4096")
         if self.rotate_block < 1 or self.rotate_block & (self.rotate_block - 1):
             raise ConfigError(f"rotate_block={self.rotate_block}: must be a power of two")
+        if self.rotate and self.precision.policy != "f32":
+            raise ConfigError(
+                f"rotate and precision policy {self.precision.policy!r} cannot be combined: "
+                "a lossy chunk's error feedback would be in the wrong step's rotation; turn "
+                "one of them off"
+            )
         if not 0.0 <= self.ack_wait_s <= 1.0:
             raise ConfigError(f"ack_wait_s={self.ack_wait_s}: between 0 and 1 s (0 = no wait)")
         if self.step_window < 1:
@@ -230,18 +239,17 @@ class TransportConfig:
     def from_mapping(cls, values: Mapping[str, Any]) -> TransportConfig:
         """Build from a flat or nested mapping (TOML table, parsed flags).
 
-        Nested tables ``priority``, ``loss``, ``paths`` and ``pacing`` fill the policy configs;
-        unknown keys are an error that names them.
+        Nested tables ``priority``, ``loss``, ``paths``, ``pacing`` and ``precision`` fill the
+        policy configs; unknown keys are an error that names them. ``precision`` may also be
+        just a policy's name (``precision = "adaptive"``).
         """
-        nested = {
-            "priority": PriorityConfig,
-            "loss": LossConfig,
-            "paths": PathConfig,
-            "pacing": PacingConfig,
-        }
+        nested = _NESTED
         own = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
+            if key == "precision" and isinstance(value, str):
+                kwargs[key] = PrecisionConfig(policy=value)  # a policy's name alone
+                continue
             if key in nested and isinstance(value, nested[key]):
                 kwargs[key] = value
             elif key in nested:
@@ -282,6 +290,9 @@ class TransportConfig:
             parts = var[len(ENV_PREFIX) :].split("__")
             if len(parts) == 1:
                 name, hint = env_field(cls, parts[0], var)
+                if name == "precision":  # a policy's name: GRADLANE_PRECISION=adaptive
+                    tree.setdefault(name, {})["policy"] = raw.strip()
+                    continue
                 if name in _NESTED:
                     raise ConfigError(
                         f"{var}: [{name}] is a table; set one of its fields as "
@@ -312,6 +323,7 @@ _NESTED: dict[str, type] = {
     "loss": LossConfig,
     "paths": PathConfig,
     "pacing": PacingConfig,
+    "precision": PrecisionConfig,
 }
 
 #: The prefix of every gradlane environment variable.

@@ -128,6 +128,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--link-mbit", type=float, default=200.0, help="testbed link rate (default 200)"
     )
     sim.add_argument("--bursty", action="store_true", help="on/off bursts of cross traffic")
+    sim.add_argument(
+        "--precision",
+        default="adaptive",
+        help="testbed: a fourth run, gradlane with this wire-precision policy (adaptive, bf16, "
+        "e4m3; default adaptive); 'none' leaves it out",
+    )
+    sim.add_argument(
+        "--no-error-feedback",
+        action="store_true",
+        help="testbed: that run without error feedback (to see what accuracy it costs)",
+    )
 
 
 def _resolve(args: argparse.Namespace) -> None:
@@ -269,6 +280,7 @@ def _run_testbed(args: argparse.Namespace) -> int:
     from gradlane.bench.demo.training import DemoError, DemoOptions
     from gradlane.bench.replay.rank_pipes import RankError
     from gradlane.bench.testbed.crosstraffic import cross_where
+    from gradlane.scheduling.precision import precision_policy_names
     from gradlane.transport.errors import GradlaneError
 
     if args.transport != "udp" or not 0.0 <= args.loss_bound <= 0.5 or args.ranks < 2:
@@ -285,7 +297,13 @@ def _run_testbed(args: argparse.Namespace) -> int:
         chunk_bytes=8192,
         target_accuracy=args.target_accuracy,
         timeline=_timeline_path(args),
+        precision="" if args.precision == "none" else args.precision,
+        error_feedback=not args.no_error_feedback,
     )
+    if opts.precision and opts.precision not in precision_policy_names():
+        emit(f"gradlane demo: --precision {opts.precision!r}: one of "
+             f"{', '.join(precision_policy_names())} or none", err=True)  # fmt: skip
+        return 2
     tb = TestbedDemo(
         hosts=args.ranks, link_mbit=args.link_mbit, cross=args.congest, route=args.cross_route
     )
@@ -296,12 +314,16 @@ def _run_testbed(args: argparse.Namespace) -> int:
     )
     emit(
         f"one rank per host trains {_MODEL_TEXT[opts.model]} with DDP on scikit-learn's "
-        f"digits, {opts.steps} steps of {opts.ranks}x{opts.batch} images, three times:"
+        f"digits, {opts.steps} steps of {opts.ranks}x{opts.batch} images, "
+        f"{'four' if opts.precision else 'three'} times:"
     )
     emit("  gloo        DDP's default all-reduce hook (gloo, TCP over the hosts' ECMP addresses,")
     emit("              each connection hashed onto a spine)")
     emit("  gloo_path0  the same on path 0 (every connection through the congested spine)")
     emit(f"  gradlane    gradlane hook over UDP, both paths, loss bound {opts.loss_bound:g}")
+    if opts.precision:
+        fb = "" if opts.error_feedback else ", no error feedback"
+        emit(f"  gradlane_{opts.precision:<4s} the same, wire precision {opts.precision}{fb}")
     host = HostWatch()
     try:
         with RunProgress() as bars:

@@ -21,6 +21,9 @@ LABELS = {
     "gloo": "gloo (default)",
     "gloo_path0": "gloo, path 0",
     "gradlane": "gradlane",
+    "gradlane_adaptive": "gradlane adaptive",
+    "gradlane_bf16": "gradlane bf16",
+    "gradlane_e4m3": "gradlane e4m3",
 }
 
 
@@ -52,15 +55,26 @@ def table(out: dict[str, Any]) -> None:
         ("comm time p99 (ms)", "comm_p99_s"),
     ):
         row(label, [f"{runs[n][key] * 1e3:.2f}" for n in names])
-    d = runs["gradlane"]
-    tcp = ["1 (TCP)"] * (len(names) - 1)
+    ours = [n.startswith("gradlane") for n in names]
+
+    def cells(fmt: Any, other: str) -> list[str]:
+        return [fmt(runs[n]) if mine else other for n, mine in zip(names, ours, strict=True)]
+
     row(
         "delivered fraction (mean/min)",
-        [*tcp, f"{d['delivered_fraction_mean']:.4f}/{d['delivered_fraction_min']:.3f}"],
-    )
-    row("retransmitted chunks", [*(["n/a"] * (len(names) - 1)), str(d["retransmitted"])])
-    row("degraded buckets", [*(["-"] * (len(names) - 1)), str(d["degraded_buckets"])])
-    row("datagrams dropped on purpose", [*(["-"] * (len(names) - 1)), str(d["injected_drops"])])
+        cells(lambda r: f"{r['delivered_fraction_mean']:.4f}/{r['delivered_fraction_min']:.3f}",
+              "1 (TCP)"),
+    )  # fmt: skip
+    row("retransmitted chunks", cells(lambda r: str(r["retransmitted"]), "n/a"))
+    row("degraded buckets", cells(lambda r: str(r["degraded_buckets"]), "-"))
+    row("datagrams dropped on purpose", cells(lambda r: str(r["injected_drops"]), "-"))
+    if any("wire_bytes_per_step" in runs[n] for n in names):
+        row("payload sent / step (MB)", cells(
+            lambda r: f"{r['wire_bytes_per_step'] / 1e6:.2f}" if r.get("wire_bytes_per_step")
+            else "-", "-"))  # fmt: skip
+        row("compressed share / error", cells(
+            lambda r: f"{r['compressed_share_mean']:.2f} / {r['rel_error_mean']:.3f}"
+            if "compressed_share_mean" in r else "-", "-"))  # fmt: skip
     w = opts["warmup_steps"]
     emit("")
     emit("accuracy: mean over the ranks, on the 360 held-out images, every "
@@ -95,6 +109,17 @@ def table(out: dict[str, Any]) -> None:
             f"gradlane reaches {s['accuracy_target']:.1f}% in {ratio:.2f}x gloo's time; "
             f"step p99 {s['step_p99_ratio_vs_gloo']:.2f}x gloo's"
         )
+    for key in [
+        k for k in s if k.startswith("tta_ratio_vs_gloo_") and k != "tta_ratio_vs_gloo_path0"
+    ]:
+        p = key[len("tta_ratio_vs_gloo_") :]
+        wire = s.get(f"wire_bytes_ratio_{p}_vs_f32")
+        if s[key] is not None and wire is not None:
+            emit(
+                f"gradlane with {p} wire precision: {s[key]:.2f}x gloo's time to accuracy, "
+                f"{wire:.2f}x the bytes of float32 gradlane, accuracy "
+                f"{s[f'accuracy_gradlane_{p}']:.2f}%"
+            )
     ratio0 = s.get("tta_ratio_vs_gloo_path0")
     if ratio0 is not None and s.get("step_p99_ratio_vs_gloo_path0") is not None:
         # The baseline that does not depend on the hash: every connection on the congested spine.

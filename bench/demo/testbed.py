@@ -45,6 +45,7 @@ from gradlane.bench.replay.rank import NetParams, ReplayConfig, ifname_of, trans
 from gradlane.bench.replay.rank_pipes import RankPipes, say
 from gradlane.bench.testbed.crosstraffic import cross_where, route_links
 from gradlane.bench.testbed.netns import ECMP_IFNAME
+from gradlane.scheduling.precision import PrecisionConfig
 
 __all__ = [
     "TESTBED_RUNS",
@@ -52,10 +53,17 @@ __all__ = [
     "main",
     "route_busy",
     "run_testbed_demo",
+    "testbed_runs",
 ]
 
 #: The testbed demo's runs, in order: gloo over ECMP (the baseline), gloo on path 0, gradlane.
 TESTBED_RUNS = ("gloo", "gloo_path0", "gradlane")
+
+
+def testbed_runs(opts: DemoOptions) -> tuple[str, ...]:
+    """:data:`TESTBED_RUNS`, then ``gradlane_<policy>`` with ``opts.precision`` if set."""
+    return TESTBED_RUNS + ((f"gradlane_{opts.precision}",) if opts.precision else ())
+
 
 #: Seconds without a word from any rank before the demo gives up.
 SILENCE_S = 180.0
@@ -124,7 +132,8 @@ def run_testbed_demo(
         queue_packets=tb.queue,
         prefix=owned_prefix("dm"),
     )
-    results: dict[str, dict[int, dict[str, Any]]] = {run: {} for run in TESTBED_RUNS}
+    runs = testbed_runs(opts)
+    results: dict[str, dict[int, dict[str, Any]]] = {run: {} for run in runs}
     t0 = time.perf_counter()
     with Testbed(spec) as bed:
         net = TestbedNetwork(bed, master_port=MASTER_PORT, **TESTBED_TRANSPORT)
@@ -157,7 +166,7 @@ def run_testbed_demo(
                 elif msg["type"] == "result":
                     results[msg["run"]][rank] = msg["out"]
         description = net.description
-    out = _compare(opts, results, TESTBED_RUNS)
+    out = _compare(opts, results, runs)
     busy = None
     if len(marks) >= 2 and route:
         (t0_, before), (t1_, after) = marks[0], marks[-1]
@@ -209,9 +218,17 @@ def _rank(job: dict[str, Any]) -> None:
         cfg = ReplayConfig("udp", opts.loss_bound)
         transport = transport_config(cfg, net, len(addrs), world, opts.seed * 1000 + rank)
         data = load_digits(opts.seed)
-        for run in TESTBED_RUNS:
+        for run in testbed_runs(opts):
             group = groups.get(run)
-            out = _train(run, rank, world, opts, data, _Up(), transport, tuple(addrs), group)
+            cfg_run = transport
+            if run.startswith("gradlane_"):  # the extra run: a lossy wire precision
+                cfg_run = replace(
+                    transport,
+                    precision=PrecisionConfig(
+                        policy=opts.precision, error_feedback=opts.error_feedback
+                    ),
+                )
+            out = _train(run, rank, world, opts, data, _Up(), cfg_run, tuple(addrs), group)
             say(type="result", run=run, out=out)
     finally:
         dist.destroy_process_group()

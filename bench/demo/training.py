@@ -72,6 +72,11 @@ class DemoOptions:
     :func:`merge_rank_timelines`); '' = off."""
     hard_deadline_s: float = 10.0
     timeout_s: float = 900.0
+    precision: str = ""
+    """The testbed demo's extra gradlane run with this wire-precision policy
+    (``gradlane_<policy>``, e.g. ``adaptive``); '' = none."""
+    error_feedback: bool = True
+    """That run's error feedback (``PrecisionConfig.error_feedback``)."""
 
 
 def run_demo(
@@ -190,8 +195,8 @@ def _train(
 ) -> dict[str, Any]:
     """Train one run on this rank; ``up.put`` gets the progress. ``transport`` and ``hosts``
     (a TransportConfig and the local address per path) replace the loopback defaults; a
-    baseline run (any name but ``gradlane``) all-reduces over ``group`` (a gloo process group;
-    None: the default one)."""
+    baseline run (a name not starting with ``gradlane``) all-reduces over ``group`` (a gloo
+    process group; None: the default one)."""
     import torch
     import torch.distributed as dist
     from gradlane.bench.demo.models import build
@@ -204,7 +209,7 @@ def _train(
     model = build(opts.model, opts.seed)
     ddp = DistributedDataParallel(model, process_group=group)
     state = None
-    if run != "gradlane":
+    if not run.startswith("gradlane"):
         rec = TraceRecorder(allreduce_hook, group, model=model)
     else:
         if rank == 0:  # step 0: the data plane starts, compiling the kernels on a first run
@@ -258,6 +263,7 @@ def _train(
             out["retransmitted"] = stats["retransmitted"]
             out["degraded_buckets"] = stats["degraded_buckets"]
             out["injected_drops"] = int(stats["plane"].get("injected_drops", 0))
+            out["precision"] = _precision_steps(state.step_stats())
         return out
     finally:
         rec.close()
@@ -310,6 +316,21 @@ def gradlane_transport(opts: DemoOptions) -> Any:
     )
 
 
+def _precision_steps(steps: list[Any]) -> dict[str, list[float]]:
+    """Per step (the hook's :class:`~gradlane.integrations.steps.StepStats`): the payload bytes
+    this rank started sending by wire format, the compressed share, the relative error and
+    the adaptive level."""
+    return {
+        "step": [s.step for s in steps],
+        "f32_bytes": [s.format_bytes[0] for s in steps],
+        "bf16_bytes": [s.format_bytes[1] for s in steps],
+        "e4m3_bytes": [s.format_bytes[2] for s in steps],
+        "compressed_share": [s.compressed_share for s in steps],
+        "rel_error": [s.rel_error for s in steps],
+        "level": [s.precision_level for s in steps],
+    }
+
+
 def _comm_per_step(records: list[dict[str, Any]], steps: int) -> list[float]:
     """Per step: from the first bucket's ready time to the last bucket's completion."""
     first = np.full(steps, np.inf)
@@ -325,6 +346,24 @@ def _comm_per_step(records: list[dict[str, Any]], steps: int) -> list[float]:
 # -- the comparison --------------------------------------------------------------------------------
 def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q))
+
+
+def _wire_row(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """A gradlane run's wire bytes per step (summed over the ranks, averaged over the steps
+    after the warm-up), its mean compressed share and error, and rank 0's per-step trace."""
+    precs = [r["precision"] for r in per_rank]
+    n = min(len(p["step"]) for p in precs)
+    total = np.zeros(n)
+    for p in precs:
+        total += np.add(np.add(p["f32_bytes"][:n], p["bf16_bytes"][:n]), p["e4m3_bytes"][:n])
+    share = np.mean([p["compressed_share"][warmup:n] for p in precs]) if n > warmup else 0.0
+    error = np.mean([p["rel_error"][warmup:n] for p in precs]) if n > warmup else 0.0
+    return {
+        "wire_bytes_per_step": float(total[warmup:].mean()) if n > warmup else None,
+        "compressed_share_mean": float(share),
+        "rel_error_mean": float(error),
+        "precision_trace": precs[0],
+    }
 
 
 def _compare(
@@ -361,7 +400,7 @@ def _compare(
             "comm_s": comm.tolist(),
             "tta_curve": curve,
         }
-        if run == "gradlane":
+        if run.startswith("gradlane"):
             delivered = np.concatenate([np.asarray(r["delivered"]) for r in per_rank])
             row.update(
                 delivered_fraction_mean=float(delivered.mean()),
@@ -371,6 +410,8 @@ def _compare(
                 injected_drops=sum(r["injected_drops"] for r in per_rank),
                 per_rank_stats=[r["stats"] for r in per_rank],
             )
+            if all("precision" in r for r in per_rank):
+                row.update(_wire_row(per_rank, w))
         else:
             row.update(delivered_fraction_mean=1.0, delivered_fraction_min=1.0)
         rows[run] = row
@@ -400,8 +441,21 @@ def _compare(
         "retransmitted": d["retransmitted"],
         "injected_drops": d["injected_drops"],
     }
+    for run in runs:  # gradlane with a lossy wire precision (gradlane_<policy>)
+        if run.startswith("gradlane_") and "wire_bytes_per_step" in d:
+            p, c = run[len("gradlane_") :], rows[run]
+            summary[f"tta_s_gradlane_{p}"] = c["tta_s"]
+            summary[f"tta_ratio_vs_gloo_{p}"] = _ratio(c["tta_s"], g["tta_s"])
+            summary[f"tta_ratio_{p}_vs_gradlane"] = _ratio(c["tta_s"], d["tta_s"])
+            summary[f"wire_bytes_ratio_{p}_vs_f32"] = _ratio(
+                c["wire_bytes_per_step"], d["wire_bytes_per_step"]
+            )
+            summary[f"accuracy_gradlane_{p}"] = c["accuracy_mean"]
+            summary[f"step_p50_ratio_vs_gloo_{p}"] = _ratio(c["step_p50_s"], g["step_p50_s"])
+            summary[f"compressed_share_{p}"] = c["compressed_share_mean"]
+            summary[f"rel_error_{p}"] = c["rel_error_mean"]
     for run in runs[1:]:  # further baselines (the testbed's gloo on path 0)
-        if run != "gradlane":
+        if not run.startswith("gradlane"):
             b = rows[run]
             summary[f"tta_s_{run}"] = b["tta_s"]
             summary[f"tta_ratio_vs_{run}"] = _ratio(d["tta_s"], b["tta_s"])

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from gradlane.bench.host import HostWatch
 from gradlane.transport import kernels
+from gradlane.transport.kernels.encoding import encode_shard, fill_headers_as
 from gradlane.transport.wire.header import (
     HEADER_SIZE,
     N_REASONS,
@@ -206,12 +207,101 @@ def _pack_reduce_place(
         "reduce_keyed", "reduce_keyed_vs_iadd", SessionSpec(job=1, me=0, world=2, key=keyed)
     )
 
+    if payload == PAYLOADS[0]:
+        _lossy(src, size_mb, ce, reps, results, summary, (do_copy, do_iadd, reset))
+
     half = src.astype(np.float16).view(np.uint16)
     for name, wire in (("send_bf16", DType.BF16), ("send_f16", DType.F16)):
         t = _solo(functools.partial(do_send, fast, half, wire), reps)
         _row(results, kernel=name, size_MB=size_mb, payload_B=payload,
              GBps=half.nbytes / t / 1e9)  # fmt: skip
         summary[f"{name}_GBps_{size_mb}MB{tag}"] = round(half.nbytes / t / 1e9, 2)
+
+
+def _lossy(
+    src: np.ndarray,
+    size_mb: int,
+    ce: int,
+    reps: int,
+    results: list[dict[str, Any]],
+    summary: dict[str, float],
+    baselines: tuple[Callable[[], None], Callable[[], None], Callable[[], None]],
+) -> None:
+    """The lossy wire formats: packing (:func:`encoding.encode_shard`, error feedback on: one
+    pass converting, summing the tag and keeping the residual) against ``np.copyto`` of the
+    float32 input, and reducing such packets (``reduce_into``) against ``dst += src``."""
+    do_copy, do_iadd, _ = baselines
+    nbytes = src.nbytes
+    n = src.shape[0]
+    n_chunks = -(-n // ce)
+    fast = TagKey()
+    residual = np.empty_like(src)
+    header = Header(job=1, step=5, bucket=0, shard=0, src=1, dst=0)
+    session = SessionSpec(job=1, me=0, world=2)
+    transfer = TransferSpec(
+        step=5, bucket=0, shard=0, phase=0, dtype=DType.F32, n_elems=n, chunk_elems=ce,
+        src_lo=0, src_hi=2,
+    )  # fmt: skip
+    accum = np.zeros(n, dtype=np.float32)
+    contrib = np.zeros(n_chunks, dtype=np.uint16)
+    received = np.zeros((2, n_chunks), dtype=np.uint8)
+    counters = np.zeros(N_REASONS, dtype=np.int64)
+
+    def reset() -> None:
+        received[:] = 0
+        contrib[:] = 0
+
+    for name, wire in (("bf16", DType.BF16), ("fp8", DType.E4M3)):
+        formats = np.full(n_chunks, int(wire), dtype=np.uint8)
+
+        def do_pack(formats: np.ndarray = formats) -> int:
+            enc = encode_shard(src, formats, chunk_elems=ce, key=fast, residual=residual)
+            return enc.payload_bytes
+
+        tk, tb, ratio = _interleaved(do_pack, do_copy, reps)
+        _row(results, kernel=f"pack_{name}", size_MB=size_mb, payload_B=ce * 4,
+             GBps=nbytes / tk / 1e9, baseline="np.copyto", baseline_GBps=nbytes / tb / 1e9,
+             ratio=ratio)  # fmt: skip
+        summary[f"pack_{name}_vs_copy"] = round(ratio, 3)
+
+        arena, lengths = lossy_packets(src, formats, ce, header, fast)
+
+        def do_reduce(arena: np.ndarray = arena, lengths: np.ndarray = lengths) -> int:
+            return kernels.reduce_into(
+                arena, lengths, accum, contrib, received,
+                session=session, transfer=transfer, counters=counters,
+            )  # fmt: skip
+
+        counters[:] = 0
+        tk, tb, ratio = _interleaved(do_reduce, do_iadd, reps, setup=reset)
+        if counters[0] != (reps + 1) * n_chunks:
+            raise RuntimeError(f"reduce_{name} rejected packets: {counters.tolist()}")
+        _row(results, kernel=f"reduce_{name}", size_MB=size_mb, payload_B=ce * 4,
+             GBps=nbytes / tk / 1e9, baseline="dst += src", baseline_GBps=nbytes / tb / 1e9,
+             ratio=ratio)  # fmt: skip
+        summary[f"reduce_{name}_vs_iadd"] = round(ratio, 3)
+
+
+def lossy_packets(
+    src: np.ndarray, formats: np.ndarray, ce: int, header: Header, key: TagKey
+) -> tuple[np.ndarray, np.ndarray]:
+    """Whole DATA packets of float32 ``src`` with chunk ``c`` in ``formats[c]``, as the wire
+    carries them: an arena of rows (header, then payload) and their lengths."""
+    enc = encode_shard(src, formats, chunk_elems=ce, key=key)
+    n_chunks = formats.shape[0]
+    hdr = np.empty((n_chunks, HEADER_SIZE), dtype=np.uint8)
+    fill_headers_as(
+        hdr, enc, np.zeros(n_chunks, dtype=np.float32), n_elems=src.shape[0], chunk_elems=ce,
+        words=kernels.header_words(header), key=key, prio=np.zeros(n_chunks, dtype=np.uint8),
+        flags=np.zeros(n_chunks, dtype=np.uint8),
+    )  # fmt: skip
+    arena, lengths = _arena_for(src.shape[0], ce, 4)
+    for c in range(n_chunks):
+        nb = int(enc.lengths[c]) - HEADER_SIZE
+        arena[c, :HEADER_SIZE] = hdr[c]
+        arena[c, HEADER_SIZE : HEADER_SIZE + nb] = enc.payload[c * enc.stride : c * enc.stride + nb]
+        lengths[c] = enc.lengths[c]
+    return arena, lengths
 
 
 def _hadamard(

@@ -11,6 +11,7 @@ deadlines bound every collective.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import os
 import time
@@ -257,7 +258,54 @@ def timeline(rank: int, world: int, args: dict, down: Any) -> dict:
     return {"buckets": buckets, "path": str(state.timeline.path)}
 
 
+def lossy(rank: int, world: int, args: dict, down: Any) -> dict:
+    """Training with a lossy wire precision (``args['policy']``, adaptive from
+    ``args['level']``), the default hook alongside on the same batches: per step both losses,
+    the step's compressed share, relative error, bytes per format and level; at the end how
+    far this rank's parameters are from rank 0's."""
+    from gradlane.scheduling.precision import PrecisionConfig
+
+    ref_model, gl_model, ref, gl = _pair("mlp", torch.float32, False, args["seed"])
+    prec = PrecisionConfig(policy=args["policy"], initial_level=args.get("level", 0.0))
+    state = GradlaneState(
+        # 4 KB chunks: a small bucket's shard is then many chunks, most of them not protected.
+        dataclasses.replace(reliable(), chunk_bytes=4096, precision=prec),
+        HookConfig(log_every=0),
+        model=gl_model,
+    )
+    gl.register_comm_hook(state, gradlane_hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref_model, gl_model)]
+    losses: list[tuple[float, float]] = []
+    try:
+        for step in range(args["steps"]):
+            x, y = _batch(args["seed"], rank, step, torch.float32)
+            pair = []
+            for model, opt in zip((ref, gl), opts, strict=True):
+                loss = _loss(model, x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                pair.append(float(loss.detach()))
+            losses.append((pair[0], pair[1]))
+        with torch.no_grad():
+            flat = torch.cat([p.reshape(-1) for p in gl_model.parameters()])
+            ref0 = flat.clone()
+            dist.broadcast(ref0, 0)
+        steps = state.step_stats()
+    finally:
+        state.close()
+    return {
+        "losses": losses,
+        "divergence": float((flat - ref0).abs().max()),
+        "share": [s.compressed_share for s in steps],
+        "error": [s.rel_error for s in steps],
+        "format_bytes": [list(s.format_bytes) for s in steps],
+        "level": [s.precision_level for s in steps],
+    }
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict, Any], Any]] = {
+    "lossy": lossy,
     "equality": equality,
     "silent_rank": silent_rank,
     "no_sync": no_sync,

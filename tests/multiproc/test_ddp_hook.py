@@ -152,3 +152,25 @@ def test_timeline_has_a_row_per_rank_and_a_span_per_bucket_and_step(group: Group
             e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"
         )
         assert names == ["rank 0", "rank 1"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world", "policy", "level"), [(2, "e4m3", 0.0), (3, "adaptive", 2.0)])
+def test_lossy_wire_precision_keeps_replicas_identical_and_trains(
+    group: Group, world: int, policy: str, level: float
+):
+    steps = 12
+    group.start("lossy", world, {"policy": policy, "level": level, "steps": steps, "seed": 7})
+    for rank, r in sorted(group.results().items()):
+        where = f"rank {rank} {policy}"
+        # Owners keep what they gather: every replica the same, bit for bit.
+        assert r["divergence"] == 0.0, where
+        assert len(r["share"]) == steps, where
+        # After DDP's bucket rebuild (step 1), most elements travel in fewer bits, with a
+        # small relative error, and E4M3 bytes on the wire.
+        assert min(r["share"][2:]) > 0.5, f"{where}: shares {r['share']}"
+        assert 0 < max(r["error"][2:]) < 0.1, f"{where}: errors {r['error']}"
+        assert all(fb[2] > 0 for fb in r["format_bytes"][2:]), where
+        # It trains like the default hook: the losses stay close (same batches, same start).
+        gaps = [abs(a - b) / max(a, 1e-9) for a, b in r["losses"]]
+        assert max(gaps) < 0.05, f"{where}: loss gaps {gaps}"

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from gradlane.transport.kernels._codec import E4M3_TABLE
 from gradlane.transport.wire.header import (
     HEADER_SIZE,
     N_REASONS,
@@ -146,11 +147,8 @@ def reduce(
     for data in datagrams:
         reason, h = _verdict(data, session, transfer, received)
         if h is not None:
-            payload: np.ndarray = np.frombuffer(
-                data[HEADER_SIZE:], dtype=_wire_type(transfer.dtype)
-            )
             off = h.chunk * transfer.chunk_elems
-            accum[off : off + h.count] += as_float32(payload, DType(transfer.dtype))
+            accum[off : off + h.count] += payload_values(data, h)
             contrib[h.chunk] += 1
             received[h.src - transfer.src_lo, h.chunk] = 1
         counters[reason] += 1
@@ -174,17 +172,29 @@ def place(
     for data in datagrams:
         reason, h = _verdict(data, session, transfer, received)
         if h is not None:
-            payload: np.ndarray = np.frombuffer(
-                data[HEADER_SIZE:], dtype=_wire_type(transfer.dtype)
-            )
             off = h.chunk * transfer.chunk_elems
-            bits[off : off + h.count] = payload
+            if h.dtype == transfer.dtype:
+                bits[off : off + h.count] = np.frombuffer(
+                    data[HEADER_SIZE:], dtype=_wire_type(transfer.dtype)
+                )
+            else:  # a lossy-format chunk of a float32 transfer: its float32 values
+                bits[off : off + h.count] = payload_values(data, h).view(np.uint32)
             if contrib is not None:
                 contrib[h.chunk] += 1
             received[h.src - transfer.src_lo, h.chunk] = 1
         counters[reason] += 1
         verdicts.append(reason)
     return verdicts
+
+
+def payload_values(data: bytes, h: Header) -> np.ndarray:
+    """The float32 values of a valid DATA packet's payload, in whatever format it carries
+    (E4M3: the code's value times the scale in ``aux``)."""
+    raw = data[HEADER_SIZE:]
+    if h.dtype == DType.E4M3:
+        scale = np.uint32(h.aux).view(np.float32)
+        return (E4M3_TABLE[np.frombuffer(raw, dtype=np.uint8)] * scale).astype(np.float32)
+    return as_float32(np.frombuffer(raw, dtype=_wire_type(h.dtype)), DType(h.dtype))
 
 
 def _wire_type(dtype: int) -> type:

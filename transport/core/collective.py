@@ -12,6 +12,11 @@ which places it into its result. A gathered chunk that never came keeps the rank
 scaled by the world size (the same unbiased-sum convention). The result is the SUM over ranks;
 the DDP hook asks for the mean with ``scale=1/world``.
 
+With a lossy precision policy (``TransportConfig.precision``), a float32 bucket's chunks may
+travel in fewer bits, in both phases: each rank's contribution carries its error-feedback
+residual, and an owner keeps exactly the rounded sums it gathers to the others, so every
+replica holds the same result (:mod:`~gradlane.transport.core.wire_precision`).
+
 With ``rotate``, float32 buckets are rotated by a seeded randomized Hadamard transform before
 sharding and rotated back after the gather: the transform is linear, so it commutes with the
 sum, and a lost chunk becomes small noise spread over its block.
@@ -43,6 +48,7 @@ from gradlane.transport.core.events import (
 )
 from gradlane.transport.core.incoming import InKey
 from gradlane.transport.core.sender import OutKey
+from gradlane.transport.core.wire_precision import WirePrecision
 from gradlane.transport.wire.header import DType, Phase, TransferSpec, chunk_counts
 
 #: Staging buffers of ordered reduces kept for reuse (the largest), per rank.
@@ -167,6 +173,9 @@ class _Collective:
     nonfinite: int = 0  # chunks of this rank's finished shard holding NaN/inf (from their norms)
     stage: np.ndarray | None = None  # the ordered reduce's staging buffer, while it runs
     gather_at: float = 0.0  # when this rank's gather phase started (its reduce complete)
+    residual: np.ndarray | None = None  # the bucket's error-feedback buffer (lossy formats)
+    lossy: bool = False  # chunks may travel in a lossy wire format
+    precision_level: float = 0.0  # the adaptive level at the start
     # While waiting for the peers' last acknowledgements: the wait's end, or None until the
     # driver next passes in a time (see TransposeAllReduce._conclude).
     finish_by: float | None = 0.0
@@ -192,6 +201,7 @@ class TransposeAllReduce:
         self.me = me
         self.world = world
         self.config = self.endpoint.config
+        self.precision = WirePrecision(self.config)
         self._running: dict[tuple[int, int], _Collective] = {}
         # Complete collectives waiting (up to ack_wait_s) for their outgoing data to be acked.
         self._waiting: dict[tuple[int, int], _Collective] = {}
@@ -253,7 +263,12 @@ class TransposeAllReduce:
         n = wire_in.shape[0]
         world, me = self.world, self.me
         rotated = self.config.rotate and wdt == DType.F32 and n > 0
-        if rotated:
+        lossy = self.precision.applies(wdt, rotated, self.world)
+        residual = None
+        if lossy:
+            # Plus last time's residual (error feedback): a new array, or the caller's.
+            src, residual = self.precision.contribution(bucket, wire_in)
+        elif rotated:
             src = wire_in.copy()
             kernels.hadamard_forward(
                 src, seed=self._seed(step, bucket), block=self.config.rotate_block
@@ -293,6 +308,9 @@ class TransposeAllReduce:
             contrib,
             rotated,
             scale=scale,
+            residual=residual,
+            lossy=lossy,
+            precision_level=self.precision.level,
         )
         if wdt == DType.F32:
             c.stats = kernels.ChunkStats(
@@ -301,6 +319,7 @@ class TransposeAllReduce:
                 np.empty(n_mine, dtype=np.uint64),
             )
         self._running[(step, bucket)] = c
+        self.precision.on_start(step, now)
         if world == 1:
             if scale != 1.0:
                 mine = result[lo:hi]
@@ -360,6 +379,8 @@ class TransposeAllReduce:
                     layer_position,
                     now,
                     pinned,
+                    precision=self.precision.policy if lossy else None,
+                    residual=residual[jl:jh] if residual is not None else None,
                 )
         # Only what the start itself produced (transfers complete from early data): a batch of
         # received datagrams waits until this collective's first datagrams are out.
@@ -543,9 +564,13 @@ class TransposeAllReduce:
             )
         # A chunk's norm is NaN or infinite when its values are: the report flags them for free.
         c.nonfinite = int(np.count_nonzero(~np.isfinite(stats.norms)))
+        res = c.residual[lo:hi] if c.residual is not None else None
+        first = None
         for j in range(world):
             if j != me:
-                self.endpoint.sender.start(
+                # Lossy: the first transfer encodes the shard (and ``mine`` becomes what the
+                # peers decode), the others send its payload.
+                t = self.endpoint.sender.start(
                     OutKey(c.step, c.bucket, me, Phase.GATHER, j),
                     mine,
                     c.dtype,
@@ -553,7 +578,16 @@ class TransposeAllReduce:
                     now,
                     c.pinned,
                     stats=stats,
+                    precision=self.precision.policy if c.lossy and first is None else None,
+                    residual=res if first is None else None,
+                    decoded=mine if c.lossy and first is None else None,
+                    encoded=first.encoded if first is not None else None,
+                    count_error=first is None,
                 )
+                if first is None:
+                    first = t
+        if res is not None:
+            self.precision.owner_units(res, c.scale)
 
     def _finish(self, c: _Collective, now: float) -> None:
         world, chunk_elems = self.world, self.config.chunk_elems(c.dtype)
@@ -582,7 +616,9 @@ class TransposeAllReduce:
             gather=tuple(c.gather_reports[j] for j in sorted(c.gather_reports)),
             sender=self.endpoint.sender.report(c.step, c.bucket),
             reduce_s=max(c.gather_at - c.started, 0.0),
+            precision_level=c.precision_level,
         )
+        self.precision.on_end(c.step, now, report.sender)
         self.endpoint.sender.forget_stats(c.step, c.bucket)
         self._events.append(AllReduceComplete(c.step, c.bucket, c.original, report))
 
@@ -596,4 +632,5 @@ class TransposeAllReduce:
             for phase in (Phase.REDUCE, Phase.GATHER):
                 self.endpoint.receiver.abort(InKey(c.step, c.bucket, j, phase))
         self._give_stage(c)  # after the aborts: no kernel writes into it any more
+        self.precision.on_end(c.step, now, None)
         self._events.append(AllReduceFailed(ev.step, ev.bucket, ev.error))

@@ -7,6 +7,7 @@ Futures.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -152,6 +153,27 @@ class SenderReport:
     retransmitted: tuple[int, ...] = ()
     bytes_sent: int = 0
     per_path_bytes: tuple[int, ...] = ()
+    format_bytes: tuple[int, ...] = (0, 0, 0)
+    """Payload bytes of the transfers started (each chunk once per destination) by wire
+    format: float32, bfloat16, E4M3."""
+    lossy_elems: int = 0
+    """Elements of those transfers sent in a lossy format (of :attr:`elems`)."""
+    elems: int = 0
+    err2: float = 0.0
+    """The rounding's squared error, summed over this rank's shards (each counted once)."""
+    norm2: float = 0.0
+    """The squared values of those shards, summed: ``sqrt(err2 / norm2)`` is the relative
+    error of what this rank sent."""
+
+    @property
+    def compressed_share(self) -> float:
+        """Share of the elements sent in a lossy format (0 without compression)."""
+        return self.lossy_elems / self.elems if self.elems else 0.0
+
+    @property
+    def rel_error(self) -> float:
+        """Relative error of this rank's contribution as sent: ``sqrt(err2 / norm2)``."""
+        return math.sqrt(self.err2 / self.norm2) if self.norm2 > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +189,9 @@ class CollectiveReport:
     reduce_s: float = 0.0
     """From the collective's start here to the start of this rank's gather phase (its reduce
     complete, by data or deadline): where the reduce phase ends and the gather begins."""
+    precision_level: float = 0.0
+    """The adaptive wire-precision level this collective started with (0: all float32; see
+    :class:`~gradlane.scheduling.precision.AdaptiveController`)."""
 
     @property
     def degraded(self) -> bool:

@@ -39,12 +39,14 @@ from typing import NamedTuple
 
 import numpy as np
 from gradlane.scheduling.loss import LossPolicy
+from gradlane.scheduling.precision import PrecisionPolicy, check_formats
 from gradlane.scheduling.priority import PriorityPolicy
 from gradlane.transport import kernels
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.events import DatagramRun
 from gradlane.transport.kernels._ack import next_due, rack_due, timed_out
 from gradlane.transport.kernels._pick import advance_cursor as _advance_cursor
+from gradlane.transport.kernels.encoding import Encoded, encode_shard, fill_headers_as
 from gradlane.transport.wire.header import (
     HEADER_SIZE,
     ITEMSIZE,
@@ -92,6 +94,14 @@ class OutTransfer:
     ``me`` is the sending rank; ``priority`` classifies the chunks; ``loss`` gives the budget of
     chunks the sender may give up on; ``stats`` are ``data``'s :func:`kernels.chunk_stats` when
     the caller has them (one shard sent to several peers), else they are computed here.
+
+    A float32 shard whose ``precision`` policy puts some chunks in a lossy wire format is
+    encoded into a payload buffer of its own (:func:`~gradlane.transport.kernels.encoding.
+    encode_shard`; ``residual``, the shard's float32 error-feedback slice, gets what the
+    rounding removed, 0 where nothing was rounded), or comes ``encoded`` already (one shard
+    sent to several peers); either way the caller's buffer is not read after the start.
+    ``decoded`` (float32, the shard's shape; may be ``data``) gets the values the receiver
+    will decode.
     """
 
     def __init__(
@@ -109,6 +119,10 @@ class OutTransfer:
         priority: PriorityPolicy,
         loss: LossPolicy,
         stats: kernels.ChunkStats | None = None,
+        precision: PrecisionPolicy | None = None,
+        residual: np.ndarray | None = None,
+        encoded: Encoded | None = None,
+        decoded: np.ndarray | None = None,
     ) -> None:
         cfg = config
         self.key = key
@@ -142,6 +156,7 @@ class OutTransfer:
             )
         if stats.norms.shape[0] != n or stats.sum_a.shape[0] != n or stats.sum_b.shape[0] != n:
             raise ValueError(f"stats for {stats.norms.shape[0]} chunks, the shard has {n}")
+        self.norms = stats.norms  # each chunk's L2 norm (the report's energy of the shard)
         # Send order: by class, then chunk index — send_order_key's order for one transfer, whose
         # chunks share one layer position (transfers are merged by the sender's heap): a stable
         # sort of the classes is that order, without building the keys.
@@ -152,25 +167,37 @@ class OutTransfer:
         if n:
             flags[-1] |= _LAST
             flags[self.order[-1]] |= _PASS_END  # the first pass's last chunk (Flags.PASS_END)
+        if encoded is None and precision is not None and precision.lossy and n:
+            encoded = self._encode(data, dtype, stats, precision, residual, decoded, cfg)
+        elif residual is not None:
+            residual[:] = 0.0  # sent as it is: nothing for the next step to make up
+        self.encoded = encoded
         self.lengths = np.zeros(max(n, 1), dtype=np.int32)
-        self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # datagram lengths
         self.hdr = np.empty((n, HEADER_SIZE), dtype=np.uint8)
-        if n:
+        words = kernels.header_words(
+            Header(
+                kind=Kind.DATA,
+                phase=key.phase,
+                dtype=dtype,
+                job=cfg.job,
+                step=key.step,
+                bucket=key.bucket,
+                shard=key.shard,
+                src=me,
+                dst=key.dst,
+            )
+        )
+        if encoded is not None:
+            self.lengths[:n] = encoded.lengths
+            fill_headers_as(
+                self.hdr, encoded, stats.norms, n_elems=self.n_elems,
+                chunk_elems=self.chunk_elems, words=words, key=cfg.tag_key, prio=self.prio,
+                flags=flags,
+            )  # fmt: skip
+        elif n:
+            self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # datagram lengths
             # The checked words, then the kernel without write_headers' argument checks: every
             # array here is this transfer's own, of the shapes checked above.
-            words = kernels.header_words(
-                Header(
-                    kind=Kind.DATA,
-                    phase=key.phase,
-                    dtype=dtype,
-                    job=cfg.job,
-                    step=key.step,
-                    bucket=key.bucket,
-                    shard=key.shard,
-                    src=me,
-                    dst=key.dst,
-                )
-            )
             kernels.fill_headers(
                 self.hdr,
                 data,
@@ -187,6 +214,9 @@ class OutTransfer:
         self.hdr_view = self.hdr.reshape(-1).data
         self.chunk_bytes = self.chunk_elems * ITEMSIZE[dtype]
         flat = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if encoded is not None:  # sent from its own payload, one stride apart
+            self.chunk_bytes = encoded.stride
+            flat = encoded.payload
         self.payload = flat.data
         # Their addresses, once: a driver's sendmmsg tables point into them, and finding an
         # address from a memoryview costs microseconds, twice per run.
@@ -229,6 +259,41 @@ class OutTransfer:
         self.gather = gather
 
     # -- payload -------------------------------------------------------------------------------
+    def _encode(
+        self,
+        data: np.ndarray,
+        dtype: int,
+        stats: kernels.ChunkStats,
+        precision: PrecisionPolicy,
+        residual: np.ndarray | None,
+        decoded: np.ndarray | None,
+        cfg: TransportConfig,
+    ) -> Encoded | None:
+        """The shard encoded in the formats ``precision`` picks (None: every chunk float32)."""
+        if dtype != DType.F32:
+            raise ValueError(f"lossy wire formats need a float32 shard, not {DType(dtype).name}")
+        formats = check_formats(
+            precision.formats(
+                norms=stats.norms,
+                protected=self.protected,
+                droppable=self.droppable,
+                gather=self.key.phase == Phase.GATHER,
+            ),
+            self.n_chunks,
+        )
+        if not formats.any():
+            if residual is not None:
+                residual[:] = 0.0
+            return None
+        return encode_shard(
+            data,
+            formats,
+            chunk_elems=self.chunk_elems,
+            key=cfg.tag_key,
+            residual=residual,
+            decoded=decoded,
+        )
+
     def run(
         self,
         chunks: np.ndarray,
@@ -262,8 +327,8 @@ class OutTransfer:
         """Stop reading the caller's buffer: copy out every payload that may still be sent —
         any chunk not acknowledged, abandoned ones included (a NACK can still ask for one) —
         into a buffer from ``spares`` (or a new one)."""
-        if self._owned is not None:
-            return
+        if self._owned is not None or self.encoded is not None:
+            return  # the payload is this transfer's own already
         src = np.frombuffer(self.payload, dtype=np.uint8)
         owned = spares.take(src.shape[0]) if spares is not None else np.empty_like(src)
         owed = (self.state != ACKED).nonzero()[0]

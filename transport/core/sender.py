@@ -35,11 +35,12 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from gradlane.scheduling.loss import LossPolicy
 from gradlane.scheduling.pacing import Pacer
+from gradlane.scheduling.precision import PrecisionPolicy
 from gradlane.scheduling.priority import MAX_CLASSES, PriorityPolicy
 from gradlane.transport import kernels
 from gradlane.transport.config import TransportConfig
@@ -57,11 +58,16 @@ from gradlane.transport.core.send_pass import PaceGate, PhaseOrder, nic_pacer
 from gradlane.transport.core.sender_loss import LossHandling
 from gradlane.transport.kernels._ack import note_lanes, note_sent
 from gradlane.transport.kernels._pick import after_sent, fit_chunks, pick_chunks
-from gradlane.transport.wire.header import HEADER_SIZE, Kind
+from gradlane.transport.kernels.encoding import Encoded
+from gradlane.transport.wire.header import HEADER_SIZE, DType, Kind
 
 __all__ = ["OutKey", "OutTransfer", "SenderCore"]
 
 log = logging.getLogger(__name__)
+
+#: A wire format's slot in the report's bytes per format (float32, bfloat16, E4M3).
+_FORMAT_SLOT = np.zeros(256, dtype=np.int64)
+_FORMAT_SLOT[[DType.F32, DType.BF16, DType.E4M3]] = [0, 1, 2]
 
 
 @dataclass
@@ -73,6 +79,14 @@ class _ClassStats:
     bytes_sent: int = 0
     first_seq: int = 0
     """The start order of the bucket's first transfer: its transfers' place among equals."""
+    format_bytes: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
+    """Payload bytes of the chunks started, each once, by wire format (float32, bfloat16,
+    E4M3)."""
+    lossy_elems: int = 0
+    elems: int = 0
+    err2: float = 0.0
+    norm2: float = 0.0
+    """The started chunks' squared rounding error and squared values, summed."""
 
 
 #: A transfer's place in a sending pass's heap: step, phase rank, class, layer position, bucket
@@ -152,11 +166,21 @@ class SenderCore(LossHandling):
         now: float,
         pinned: bool = False,
         stats: kernels.ChunkStats | None = None,
+        *,
+        precision: PrecisionPolicy | None = None,
+        residual: np.ndarray | None = None,
+        encoded: Encoded | None = None,
+        decoded: np.ndarray | None = None,
+        count_error: bool = True,
     ) -> OutTransfer:
         """Begin sending ``data`` (one shard, wire dtype ``dtype``) to ``key.dst``.
 
         ``data`` is read (not copied) until the transfer ends or :meth:`detach`; ``stats`` are
         its :func:`kernels.chunk_stats` when the caller sends the same shard to several peers.
+        ``precision``, ``residual``, ``encoded`` and ``decoded``: the lossy wire formats (see
+        :class:`OutTransfer`); the step's report counts the payload bytes per format of
+        every transfer started, and the rounding error and energy of its shard unless
+        ``count_error`` is False (a shard sent to several peers counts once).
         """
         if key in self.transfers:
             raise ValueError(f"transfer {key} already in flight")
@@ -174,8 +198,14 @@ class SenderCore(LossHandling):
             priority=self.priority,
             loss=self.loss,
             stats=stats,
+            precision=precision,
+            residual=residual,
+            encoded=encoded,
+            decoded=decoded,
         )
         self.transfers[key] = t
+        if t.n_chunks:
+            self._note_formats(t, count_error)
         t.group = self._stats(key.step, key.bucket, self._seq).first_seq
         if t.n_chunks == 0:
             self._retire(t)
@@ -192,7 +222,7 @@ class SenderCore(LossHandling):
         return t
 
     def report(self, step: int, bucket: int) -> SenderReport:
-        """What was sent for (step, bucket) so far, per class."""
+        """What was sent for (step, bucket) so far, per class, and in which wire formats."""
         s = self._stats(step, bucket)
         return SenderReport(
             sent=tuple(int(x) for x in s.sent),
@@ -200,7 +230,31 @@ class SenderCore(LossHandling):
             retransmitted=tuple(int(x) for x in s.retransmitted),
             bytes_sent=s.bytes_sent,
             per_path_bytes=tuple(int(x) for x in s.path_bytes),
+            format_bytes=tuple(int(x) for x in s.format_bytes),
+            lossy_elems=s.lossy_elems,
+            elems=s.elems,
+            err2=s.err2,
+            norm2=s.norm2,
         )
+
+    def _note_formats(self, t: OutTransfer, count_error: bool) -> None:
+        """Count a started transfer's payload bytes per format and its lossy elements, and its
+        shard's rounding error and energy (``count_error``), for the step's report."""
+        s = self._stats(t.key.step, t.key.bucket)
+        s.elems += t.n_elems
+        if count_error:
+            s.norm2 += float(np.square(t.norms, dtype=np.float64).sum())
+        enc = t.encoded
+        if enc is None:
+            s.format_bytes[0] += int(t.lengths[: t.n_chunks].sum()) - HEADER_SIZE * t.n_chunks
+            return
+        pay = enc.lengths.astype(np.int64) - HEADER_SIZE
+        s.format_bytes += np.bincount(_FORMAT_SLOT[enc.formats], weights=pay, minlength=3).astype(
+            np.int64
+        )
+        s.lossy_elems += int(t.counts[enc.formats != 0].sum())
+        if count_error:
+            s.err2 += float(enc.err2.sum())
 
     def detach(self, step: int, bucket: int) -> None:
         """Stop reading the source buffers of (step, bucket)'s outgoing transfers: the

@@ -39,10 +39,14 @@ _OUT_DTYPES = {
 
 
 def _wire_dtype(dtype: int) -> DType:
+    """A shard's (a transfer's) dtype: E4M3 is only a lossy format of a float32 one's chunks."""
     try:
-        return DType(int(dtype))
+        wire = DType(int(dtype))
     except ValueError:
-        raise ValueError(f"dtype {dtype!r} is not a wire dtype; use one of {list(DType)}") from None
+        wire = None
+    if wire not in _SRC_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not a shard dtype; use one of {list(_SRC_DTYPES)}")
+    return wire
 
 
 def _array(name: str, a: object, ndim: int, *, writeable: bool = False) -> np.ndarray:

@@ -345,25 +345,54 @@ def finish_packet(
     own sums come from registers, not from the row: reading u64 words back right after writing
     them in other widths defeats store forwarding, a stall on every packet.
     """
-    fp = _U64(flags & 0xFF) | (_U64(prio & 0xFF) << _U64(8))  # bits 0..15 of header word 1
+    finish_packet_as(
+        row64, tmpl, flags, prio, 0, chunk, count, norm, 0, length, pay_a, pay_b, mode, key
+    )
+
+
+@njit(inline="always", **EXACT)
+def finish_packet_as(
+    row64: np.ndarray,
+    tmpl: np.ndarray,
+    flags: int,
+    prio: int,
+    dtype: int,
+    chunk: int,
+    count: int,
+    norm: np.float32,
+    aux: int,
+    length: int,
+    pay_a: np.uint64,
+    pay_b: np.uint64,
+    mode: int,
+    key: np.ndarray,
+) -> None:
+    """:func:`finish_packet` of a chunk in its own wire ``dtype`` (added to the template's,
+    which is then float32's 0) with ``aux`` (an E4M3 chunk's scale bits): a float32 transfer's
+    lossy-format chunks."""
+    # flags, prio and dtype: bits 0..23 of header u32 word 1 (bits 32..55 of u64 word 0).
+    fp = _U64(flags & 0xFF) | (_U64(prio & 0xFF) << _U64(8)) | (_U64(dtype & 0xFF) << _U64(16))
     chunk_w = _U64(chunk) & _LO32
     count_w = _U64(count) & _LO32
     norm_w = _U64(np.float32(norm).view(np.uint32))
+    aux_w = _U64(aux) & _LO32
     w0 = tmpl[0] | (fp << _U64(32))
     w3 = chunk_w | (count_w << _U64(32))
+    w4 = norm_w | (aux_w << _U64(32))
     row64[0] = w0
     row64[1] = tmpl[1]
     row64[2] = tmpl[2]
     row64[3] = w3
-    row64[4] = norm_w  # aux = 0 in the high half
+    row64[4] = w4
     if mode == TAG_KEYED:
-        h1, h2 = nh_header(w0, tmpl[1], tmpl[2], w3, norm_w, key)
+        h1, h2 = nh_header(w0, tmpl[1], tmpl[2], w3, w4, key)
         row64[5] = keyed_finish(key[0], key[1], h1 + pay_a, h2 + pay_b, length)
     else:
-        # Header words 1, 6, 7, 8 carry indices 2, 7, 8, 9; payload word j has index 11 + j.
-        ha = tmpl[TMPL_A] + fp + chunk_w + count_w + norm_w
+        # Header words 1, 6, 7, 8, 9 carry indices 2, 7, 8, 9, 10; payload word j has index
+        # 11 + j.
+        ha = tmpl[TMPL_A] + fp + chunk_w + count_w + norm_w + aux_w
         hb = tmpl[TMPL_B] + _U64(2) * fp + _U64(7) * chunk_w + _U64(8) * count_w
-        hb += _U64(9) * norm_w
+        hb += _U64(9) * norm_w + _U64(10) * aux_w
         row64[5] = fast_finish(ha + pay_a, hb + pay_b + _U64(11) * pay_a, length)
 
 

@@ -9,8 +9,11 @@ for any bytes.
 Each batch loop decides a row in two steps. The fast path (:func:`fast_header`) compares the
 header with what every valid DATA packet of this transfer must carry — three masked u64 words and
 the src/chunk/count/length ranges, branch-free — and, if it matches, only the tag is left to check.
-A row that misses the fast path can never be accepted; the out-of-line :func:`slow_verdict` runs
-the full ordered check to name its reason. A fast row of at least :data:`FUSE_MIN_ITEMS` floats'
+A row that misses the fast path is rejected, unless it carries a chunk of a float32 transfer
+in a lossy wire format (bfloat16 or E4M3, :data:`~gradlane.transport.wire.header.LOSSY`): the
+out-of-line :func:`slow_verdict` runs the full ordered check, the tag included, and names the
+reason, or accepts such a row, which is then decoded to float32 (:func:`decode_row`) and added
+or placed like a float32 one. A fast row of at least :data:`FUSE_MIN_ITEMS` floats'
 worth of payload, for a slot not yet filled, goes through one of :mod:`._tagged`'s fused loops,
 which read each payload word once for the tag sums and the add or copy, keeping the slot's old
 values, and put them back if the tag does not match: the slot, contributor count and received
@@ -28,6 +31,7 @@ loop stores into other arrays that might alias it), but it keeps a tuple in regi
 from __future__ import annotations
 
 import numpy as np
+from gradlane.transport.kernels._codec import decode_bf16, decode_e4m3
 from gradlane.transport.kernels._common import (
     EXACT,
     KEY_PAYLOAD,
@@ -44,6 +48,7 @@ from gradlane.transport.wire.header import (
     BITMAP_KINDS,
     HEADER_SIZE,
     ITEMSIZE,
+    LOSSY,
     MAGIC,
     VERSION,
     DType,
@@ -109,12 +114,18 @@ _DATA = int(Kind.DATA)
 #: Bit k set when kind k carries a bitmap (one source of truth: wire.header.BITMAP_KINDS).
 _BITMAP_MASK = sum(1 << int(k) for k in BITMAP_KINDS)
 _PHASE_MAX = int(Phase.PULL)
-_DTYPE_MAX = int(DType.BF16)
+_DTYPE_MAX = int(DType.E4M3)
 _F32 = int(DType.F32)
 _F16 = int(DType.F16)
+_BF16 = int(DType.BF16)
+_E4M3 = int(DType.E4M3)
 _ITEM_F32 = ITEMSIZE[DType.F32]
 _ITEM_16 = ITEMSIZE[DType.F16]
+_ITEM_8 = ITEMSIZE[DType.E4M3]
 assert ITEMSIZE[DType.F16] == ITEMSIZE[DType.BF16] == 2
+assert {DType.BF16, DType.E4M3} == LOSSY, "the kernels below decode exactly these"
+_MAX_SCALE_BITS = 0x7F7FFFFF  # the largest finite float32: header.scale_ok
+_LOSSY_MASK = sum(1 << int(d) for d in LOSSY)  # bit k: dtype k is a lossy wire format
 _HDR = HEADER_SIZE
 
 
@@ -125,6 +136,14 @@ def load_spec(spec: np.ndarray) -> tuple[int, ...]:
         spec[0], spec[1], spec[2], spec[3], spec[4], spec[5], spec[6], spec[7], spec[8],
         spec[9], spec[10], spec[11], spec[12], spec[13], spec[14], spec[15], spec[16], spec[17],
     )  # fmt: skip
+
+
+@njit(inline="always", **EXACT)
+def itemsize(dtype: int) -> int:
+    """Bytes per payload element of a valid ``dtype`` (:data:`ITEMSIZE`)."""
+    if dtype == _F32:
+        return _ITEM_F32
+    return _ITEM_8 if dtype == _E4M3 else _ITEM_16
 
 
 @njit(**EXACT)
@@ -183,9 +202,9 @@ def check_packet(
     payload = n - _HDR
     count = np.int64(row32[7])
     if kind == _DATA:
-        if dtype > _DTYPE_MAX:
+        if dtype > _DTYPE_MAX or (dtype == _E4M3 and not 0 < row32[9] <= _MAX_SCALE_BITS):
             return _BAD_DTYPE, kind, src, 0, count
-        if count * (_ITEM_F32 if dtype == _F32 else _ITEM_16) != payload:
+        if count * itemsize(dtype) != payload:
             return _COUNT_MISMATCH, kind, src, 0, count
     elif (_BITMAP_MASK >> kind) & 1 and payload != (count + 7) // 8:
         return _COUNT_MISMATCH, kind, src, 0, count
@@ -200,7 +219,8 @@ def check_packet(
         return _BAD_RANK, kind, src, 0, count
     chunk = np.int64(row32[6])
     if kind == _DATA:
-        if dtype != sp[S_T_DTYPE]:
+        t_dtype = sp[S_T_DTYPE]
+        if dtype != t_dtype and not (t_dtype == _F32 and (_LOSSY_MASK >> dtype) & 1):
             return _BAD_DTYPE, kind, src, chunk, count
         if chunk >= sp[S_T_N_CHUNKS]:
             return _CHUNK_RANGE, kind, src, chunk, count
@@ -297,7 +317,8 @@ def fast_header(
 
     ``fast``: the header equals ``ex`` (:func:`expected_words`) in every field the checks look
     at, so it passes every check but the tag; conversely no packet with ``fast`` False can be
-    accepted, and the full, ordered :func:`check_packet` runs only to name its reason. ``item``
+    accepted but a lossy-format chunk of a float32 transfer, and the full, ordered
+    :func:`check_packet` runs to name the reason or accept such a chunk. ``item``
     is the payload itemsize (a constant in each kernel). Scalars only: inlined into the batch
     loops, a helper that takes arrays keeps their loads from staying in registers (see the
     module docstring on aliasing).
@@ -354,6 +375,21 @@ def _check_rows(rows: np.ndarray, n_rows: int) -> None:
     for i in range(rows.shape[0]):
         if rows[i] < 0 or rows[i] >= n_rows:
             raise ValueError("rows must index arena rows")
+
+
+@njit(**EXACT)
+def decode_row(row: np.ndarray, count: int, tmp: np.ndarray) -> np.ndarray:
+    """The float32 values of a checked lossy-format DATA row (uint8, header first): its
+    ``count`` bfloat16 or E4M3 elements (the latter times the scale in ``aux``), decoded into
+    ``tmp[:count]``, which is returned. Out of line: only lossy rows come here."""
+    out = tmp[:count]
+    pay = row[_HDR : _HDR + count * itemsize(int(row[6]))]
+    if row[6] == _BF16:
+        decode_bf16(out, pay.view(np.uint16))
+    else:
+        scale = row[36:40].view(np.float32)[0]
+        decode_e4m3(out, pay, scale)
+    return out
 
 
 @njit(**EXACT)
@@ -478,6 +514,7 @@ def reduce_f32(
     one = np.float32(1.0)
     kp = key[KEY_PAYLOAD:]
     save = np.empty(ce, dtype=np.float32)
+    lossy = np.empty(ce, dtype=np.float32)  # a lossy-format row's decoded values
     _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
@@ -491,7 +528,7 @@ def reduce_f32(
         off = chunk * ce
         acc = accum[off : off + count]
         pay = af[r, PAYLOAD_WORD : PAYLOAD_WORD + count]
-        added = False
+        added = decoded = False
         if fast and not ordered and count >= FUSE_MIN_ITEMS and not received[sr, chunk]:
             # The common case: add while checking the tag, undo on a mismatch (_tagged).
             p1, p2 = add_f32(a64[r, PAYLOAD_WORD // 2 :], pay, acc, save, count, mode, kp)
@@ -506,10 +543,24 @@ def reduce_f32(
         else:
             reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, key)
             sr = src - src_lo
+            if reason == _OK and not received[sr, chunk]:
+                # A lossy-format chunk: added here from its float32 values (kept apart from
+                # ``pay`` so the float32 loops below keep their array types).
+                off = chunk * ce
+                acc = accum[off : off + count]
+                vals = decode_row(arena[r], count, lossy)
+                if ordered:
+                    ordered_add(acc, vals, sr, chunk, off, order, pos, stage, staged)
+                else:
+                    for j in range(count):
+                        acc[j] += vals[j]
+                added = decoded = True
         if reason == _OK and not added and received[sr, chunk]:
             reason = _DUPLICATE
         if reason == _OK:
-            if ordered:
+            if decoded:
+                pass
+            elif ordered:
                 # Complete (contrib == final) only once every sender came: the one that came
                 # last was then the one due, so the ordered sum is finished too.
                 ordered_add(acc, pay, sr, chunk, off, order, pos, stage, staged)
@@ -643,6 +694,7 @@ def place_rows(
     want_verdicts = verdicts.shape[0] > 0
     kp = key[KEY_PAYLOAD:]
     save = np.empty(ce, dtype=out.dtype)
+    lossy = np.empty(ce, dtype=np.float32)  # a lossy-format row's decoded values
     _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
@@ -685,6 +737,20 @@ def place_rows(
                 reason = _BAD_TAG
         else:
             reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, key)
+            sr = src - src_lo
+            if reason == _OK and received[sr, chunk]:
+                reason = _DUPLICATE
+            elif reason == _OK:  # a lossy-format chunk of a float32 result: decoded in place
+                off = chunk * ce
+                dst = out[off : off + count]
+                bits = decode_row(arena[r], count, lossy).view(np.uint32)
+                least = emask
+                for j in range(count):
+                    v = bits[j]
+                    dst[j] = v
+                    least = min(least, ~v & emask)
+                if want_nonfinite and least == 0:
+                    nonfinite[chunk] = 1
         if reason == _OK:
             if want_contrib:
                 contrib[chunk] += np.uint16(1)

@@ -25,12 +25,16 @@ offset  size    field     meaning
                           bitmap kinds: index of the first chunk the bitmap covers
 28      u32     count     DATA: elements in the payload; bitmap kinds: bits in the bitmap
 32      f32     norm      DATA: L2 norm of the payload (magnitude, computed while packing)
-36      u32     aux       ACK: the chunk whose arrival triggered it (RTT sample); PROBE: sequence
+36      u32     aux       ACK: the chunk whose arrival triggered it (RTT sample); PROBE: sequence;
+                          DATA in E4M3: the chunk's scale (float32 bits, positive and finite)
 40      u64     tag       integrity tag over bytes [0:40] and the payload
 (:mod:`gradlane.transport.wire.tag`)
 ======  ======  ========  =====================================================================
 
 The payload starts at byte 48, so it is 8-byte aligned in any arena whose slots are.
+A float32 transfer's chunks may each travel in a lossy wire format (:data:`LOSSY`: bfloat16,
+or E4M3 with a per-chunk scale); the chunk's element count and offset stay those of the
+float32 transfer, only its payload is shorter (:func:`wire_format_ok`).
 ACK, NACK, MANIFEST and FIN carry a little-endian bitmap (``np.packbits(bitorder="little")``):
 ACK = chunks received, NACK = chunks the receiver needs now, MANIFEST = the sender's protected
 chunks, FIN = the chunks the sender gave up (within its loss budget). STOP (receiver to sender)
@@ -56,8 +60,10 @@ __all__ = [
     "HEADER_DTYPE",
     "HEADER_SIZE",
     "ITEMSIZE",
+    "LOSSY",
     "MAGIC",
     "MAX_UDP_PAYLOAD",
+    "SHARD_DTYPES",
     "VERSION",
     "DType",
     "Flags",
@@ -76,7 +82,9 @@ __all__ = [
     "encode_values",
     "header_view",
     "payload_elems_for",
+    "scale_ok",
     "validate",
+    "wire_format_ok",
 ]
 
 MAGIC = 0x474C
@@ -134,15 +142,41 @@ class Phase(IntEnum):
 
 
 class DType(IntEnum):
-    """Payload element types. f16 and bf16 travel as raw 16-bit words."""
+    """Payload element types. f16 and bf16 travel as raw 16-bit words.
+
+    ``E4M3`` is the 8-bit float OCP FP8 E4M3FN (no infinities; max 448), each element
+    multiplied by the packet's scale (its ``aux``, float32 bits); it exists only as a lossy
+    wire format of a float32 transfer, as bf16 can be too (:data:`LOSSY`).
+    """
 
     F32 = 0
     F16 = 1
     BF16 = 2
+    E4M3 = 3
 
 
 #: Bytes per element of each :class:`DType`, indexable by the enum value.
-ITEMSIZE = (4, 2, 2)
+ITEMSIZE = (4, 2, 2, 1)
+
+#: The dtypes a bucket (a transfer) may have; E4M3 is only a lossy format of chunks.
+SHARD_DTYPES = (DType.F32, DType.F16, DType.BF16)
+#: The formats a float32 transfer's chunks may travel in instead of float32 (lossy, each
+#: chunk's choice; the receiver converts to float32 as it reduces or places).
+LOSSY = frozenset((DType.BF16, DType.E4M3))
+#: Bits of the largest positive finite float32: an E4M3 scale's bits are in (0, this].
+_MAX_FINITE_BITS = 0x7F7FFFFF
+
+
+def wire_format_ok(dtype: int, transfer_dtype: int) -> bool:
+    """Whether a DATA packet in ``dtype`` may belong to a transfer of ``transfer_dtype``: the
+    same type, or a :data:`LOSSY` format of a float32 transfer."""
+    return dtype == transfer_dtype or (transfer_dtype == DType.F32 and dtype in LOSSY)
+
+
+def scale_ok(dtype: int, aux: int) -> bool:
+    """Whether a DATA packet's ``aux`` suits its ``dtype``: an E4M3 packet's scale (float32
+    bits) must be positive and finite; other types do not read it."""
+    return dtype != DType.E4M3 or 0 < aux <= _MAX_FINITE_BITS
 
 
 class Reason(IntEnum):
@@ -428,7 +462,7 @@ def validate(
     payload = n - HEADER_SIZE
     if kind == Kind.DATA:
         dt = h.dtype
-        if dt > DType.BF16:
+        if dt > DType.E4M3 or not scale_ok(dt, h.aux):
             return Reason.BAD_DTYPE
         if h.count * ITEMSIZE[dt] != payload:
             return Reason.COUNT_MISMATCH
@@ -446,7 +480,7 @@ def validate(
     if not transfer.src_lo <= h.src < transfer.src_hi:
         return Reason.BAD_RANK
     if kind == Kind.DATA:
-        if h.dtype != transfer.dtype:
+        if not wire_format_ok(h.dtype, transfer.dtype):
             return Reason.BAD_DTYPE
         chunk = h.chunk
         if chunk >= transfer.n_chunks:
@@ -473,7 +507,11 @@ def validate_data_rows(hv: np.ndarray, lengths: np.ndarray, session: SessionSpec
         (hv["phase"] > Phase.PULL, Reason.BAD_PHASE),
         ((hv["src"] >= session.world) | (hv["dst"] != session.me), Reason.BAD_RANK),
         (hv["shard"] >= max(session.world, 1), Reason.BAD_SHARD),
-        (dt > DType.BF16, Reason.BAD_DTYPE),
+        (
+            (dt > DType.E4M3)
+            | ((dt == DType.E4M3) & ((hv["aux"] == 0) | (hv["aux"] > _MAX_FINITE_BITS))),
+            Reason.BAD_DTYPE,
+        ),
         (hv["count"].astype(np.int64) * itemsize != lengths - HEADER_SIZE, Reason.COUNT_MISMATCH),
     )
     for bad, why in reversed(checks):  # the first failure wins, as in validate()
