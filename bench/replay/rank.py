@@ -177,9 +177,7 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
         on_hard_deadline="degrade" if bounded else "raise",
     )
     if net.loopback:
-        return replace(
-            loopback_config(n_paths=n, priority=prio, loss=loss, seed=seed), **net.overrides
-        )
+        return _overridden(loopback_config(n_paths=n, priority=prio, loss=loss, seed=seed), net)
     # As in the simulator (bench/sim/scenarios.py): each (peer, path) starts at an even share
     # of the path so N-1 senders do not incast one receiver, the delay-based controller probes
     # up to the link rate, and the NIC pacer caps the host's total.
@@ -216,7 +214,18 @@ def transport_config(cfg: ReplayConfig, net: NetParams, n_paths: int, world: int
             burst_bytes=max(64 * 1024, 2 * net.tx_quantum_packets * net.chunk_bytes),
         ),
     )
-    return replace(tcfg, **net.overrides)
+    return _overridden(tcfg, net)
+
+
+def _overridden(cfg: Any, net: NetParams) -> Any:
+    """``cfg`` with ``net.overrides`` (``--set``: nested tables as mappings, ``precision`` as a
+    policy's name too, read as ``TransportConfig.from_mapping`` reads them)."""
+    from gradlane.transport.config import TransportConfig
+
+    if not net.overrides:
+        return cfg
+    parsed = TransportConfig.from_mapping(net.overrides)
+    return replace(cfg, **{k: getattr(parsed, k) for k in net.overrides})
 
 
 @dataclass(frozen=True)
@@ -457,6 +466,7 @@ class _Rank:
         # gloo's TCP reports no per-path bytes (it uses path 0 only); an engine, its paths'.
         n_paths = 0 if engine is None else engine.config.n_paths
         delivered, per_path, retx, degraded = 1.0, [0] * n_paths, 0, 0
+        formats, lossy, elems, err2, norm2, level = [0, 0, 0], 0, 0, 0.0, 0.0, 0.0
         for b, w in waits:
             if engine is None:
                 done[b] = float(w.wait())
@@ -468,6 +478,11 @@ class _Rank:
             retx += sum(report.sender.retransmitted)
             for p, nbytes in enumerate(report.sender.per_path_bytes):
                 per_path[p] += int(nbytes)
+            snd = report.sender
+            formats = [a + int(b) for a, b in zip(formats, snd.format_bytes, strict=True)]
+            lossy, elems = lossy + snd.lossy_elems, elems + snd.elems
+            err2, norm2 = err2 + snd.err2, norm2 + snd.norm2
+            level = max(level, report.precision_level)
         first = min(submitted.values())
         return {
             "t0": t0,
@@ -484,6 +499,14 @@ class _Rank:
             "retransmitted": retx,
             "path_bytes": per_path,
             "bytes": sum(n * 4 for _, n, _, _ in plan.buckets),
+            # The wire precision: payload bytes started per format (float32, bfloat16, E4M3),
+            # the share of elements sent in fewer bits, the rounding's error energy.
+            "format_bytes": formats,
+            "lossy_elems": lossy,
+            "elems": elems,
+            "err2": err2,
+            "norm2": norm2,
+            "precision_level": level,
         }
 
     def close(self) -> None:

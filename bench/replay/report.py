@@ -49,6 +49,25 @@ SUMMARY_KEYS = (
 )
 
 
+def _precision(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    if not all(s.get("format_bytes") for s in steps):
+        return {}
+    fb: list[list[int]] = [s["format_bytes"] for s in steps]
+    if not any(sum(f) for f in fb):  # gloo: no gradlane engine, nothing counted
+        return {}
+    elems = sum(s.get("elems", 0) for s in steps)
+    norm2 = sum(s.get("norm2", 0.0) for s in steps)
+    return {
+        "wire_bytes_per_step": float(np.mean([sum(f) for f in fb])),
+        "format_bytes_per_step": [float(np.mean([f[k] for f in fb])) for k in range(3)],
+        "compressed_share": sum(s.get("lossy_elems", 0) for s in steps) / elems if elems else 0.0,
+        "rel_error": float(np.sqrt(sum(s.get("err2", 0.0) for s in steps) / norm2))
+        if norm2 > 0
+        else 0.0,
+        "precision_level_last": float(steps[-1].get("precision_level", 0.0)),
+    }
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
 
@@ -85,6 +104,9 @@ def config_stats(steps: list[dict[str, Any]], world: int, link_Bps: float) -> di
         "goodput_fraction_of_link": goodput / (link_Bps * max(used, 1)) if link_Bps > 0 else None,
         "path_bytes": path_bytes,
         "paths_used": used,
+        # The wire precision (gradlane runs): payload bytes all ranks started per step, the
+        # share of elements sent in fewer bits, the relative error of what was sent.
+        **_precision(steps),
         # Per gloo draw (see the module docstring): one entry without draws.
         "draws": [
             {"draw": d, "steps": len(c), "comm_p50_s": _pct(c, 50), "comm_p99_s": _pct(c, 99)}

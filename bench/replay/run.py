@@ -364,6 +364,12 @@ def _merge(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
             for p in range(n_paths)
         ],
         "bytes": recs[0]["bytes"],
+        "format_bytes": [sum(r.get("format_bytes", [0, 0, 0])[k] for r in recs) for k in range(3)],
+        "lossy_elems": sum(r.get("lossy_elems", 0) for r in recs),
+        "elems": sum(r.get("elems", 0) for r in recs),
+        "err2": sum(r.get("err2", 0.0) for r in recs),
+        "norm2": sum(r.get("norm2", 0.0) for r in recs),
+        "precision_level": max(r.get("precision_level", 0.0) for r in recs),
     }
 
 

@@ -25,7 +25,7 @@ float32 anyway.
 from __future__ import annotations
 
 import numpy as np
-from gradlane.transport.kernels._common import EXACT, bf16_to_f32
+from gradlane.transport.kernels._common import EXACT, REDUCTION, bf16_to_f32
 from numba import njit
 
 _U32 = np.uint32
@@ -33,14 +33,15 @@ _F32 = np.float32
 
 
 def _e4m3_values() -> np.ndarray:
-    """The float32 value of each of the 256 E4M3FN codes (NaN for ``0x7F``/``0xFF``)."""
+    """The float32 value of each of the 256 E4M3FN codes (quiet NaN for ``0x7F``/``0xFF``)."""
     codes = np.arange(256)
     sign = np.where(codes >> 7, -1.0, 1.0)
     exp = (codes >> 3) & 0xF
     man = codes & 7
     mag = np.where(exp == 0, man / 8.0 * 2.0**-6, (1.0 + man / 8.0) * 2.0 ** (exp - 7.0))
     vals = (sign * mag).astype(np.float32)
-    vals[(codes & 0x7F) == 0x7F] = np.nan
+    bits = vals.view(np.uint32)
+    bits[0x7F], bits[0xFF] = 0x7FC00000, 0xFFC00000  # quiet NaNs, with the code's sign
     return vals
 
 
@@ -59,9 +60,17 @@ _TINY = _F32(2.0**-100)
 def f32_to_bf16(x: np.float32) -> np.uint16:
     """bfloat16 bits of ``x``, rounded to nearest even (NaN quietened, inf kept)."""
     b = _U32(_F32(x).view(np.uint32))
-    if (b & _U32(0x7FFFFFFF)) > _U32(0x7F800000):
-        return np.uint16((b >> _U32(16)) | _U32(0x40))
-    return np.uint16((b + _U32(0x7FFF) + ((b >> _U32(16)) & _U32(1))) >> _U32(16))
+    nan = (b & _U32(0x7FFFFFFF)) > _U32(0x7F800000)
+    rounded = (b + _U32(0x7FFF) + ((b >> _U32(16)) & _U32(1))) >> _U32(16)
+    # Selects, not branches: the loops that call this vectorise.
+    return np.uint16(((b >> _U32(16)) | _U32(0x40)) if nan else rounded)
+
+
+#: 2^14: a float32 whose last mantissa bit weighs 2^-9, E4M3's subnormal step; adding it to a
+#: magnitude below 2^-6 rounds that magnitude to the step (nearest even) in hardware.
+_SUB_MAGIC = _F32(2.0**14)
+_SUB_MAGIC_BITS = _U32(0x46800000)
+assert np.float32(2.0**14).view(np.uint32) == 0x46800000
 
 
 @njit(inline="always", **EXACT)
@@ -69,82 +78,98 @@ def f32_to_e4m3(y: np.float32) -> np.uint8:
     """E4M3 code of ``y`` (already divided by its scale): nearest even, saturating at ±448;
     NaN → ``0x7F`` (``0xFF`` when its sign bit is set)."""
     b = _U32(_F32(y).view(np.uint32))
-    sign = np.uint8((b >> _U32(24)) & _U32(0x80))
+    sign = (b >> _U32(24)) & _U32(0x80)
     mag = b & _U32(0x7FFFFFFF)
-    if mag > _U32(0x7F800000):
-        return np.uint8(sign | np.uint8(0x7F))
-    if mag >= _U32(0x3C800000):  # >= 2^-6: a normal code, or saturated
-        # Round the mantissa to 3 bits, ties to even, in the integer bits.
-        r = (mag + _U32(0x7FFFF) + ((mag >> _U32(20)) & _U32(1))) & _U32(0xFFF00000)
-        e = np.int64(r >> _U32(23)) - 127
-        m = np.int64((r >> _U32(20)) & _U32(7))
-        if e > 8 or (e == 8 and m == 7):
-            return np.uint8(sign | np.uint8(0x7E))
-        return np.uint8(sign | np.uint8(((e + 7) << 3) | m))
-    # A subnormal code: k · 2^-9, k = round-half-even(|y| · 2^9) in 0..8 (8 is 2^-6, code 8).
-    t = _U32(mag).view(np.float32) * _F32(512.0)  # exact: a power of two
-    k = np.int64(t)
-    f = t - _F32(k)
-    if f > _F32(0.5) or (f == _F32(0.5) and k & 1):
-        k += 1
-    return np.uint8(sign | np.uint8(k))
+    # Normal codes (|y| >= 2^-6): the mantissa rounded to 3 bits, ties to even, in the integer
+    # bits; past 448 (0x43E00000) it saturates, an infinity too.
+    r = (mag + _U32(0x7FFFF) + ((mag >> _U32(20)) & _U32(1))) & _U32(0xFFF00000)
+    normal = ((r >> _U32(20)) - _U32(120 << 3)) & _U32(0x7F)
+    normal = _U32(0x7E) if r > _U32(0x43E00000) else normal
+    # Subnormal codes: k · 2^-9, k in 0..8 (8 is 2^-6, the first normal code).
+    k = _U32(_F32(_U32(mag).view(np.float32) + _SUB_MAGIC).view(np.uint32) - _SUB_MAGIC_BITS)
+    code = k if mag < _U32(0x3C800000) else normal
+    code = _U32(0x7F) if mag > _U32(0x7F800000) else code
+    return np.uint8(code | sign)
+
+
+#: 2^120: an E4M3 code's exponent and mantissa shifted into float32 place read as a float32
+#: are its value times 2^-120 (subnormals included), so one exact multiply finishes it.
+_TWO_POW_120 = _F32(2.0**120)
+
+
+@njit(inline="always", **EXACT)
+def e4m3_to_f32(c: np.uint8) -> np.float32:
+    """The float32 value of E4M3 code ``c`` (NaN for ``0x7F``/``0xFF``): arithmetic, no table,
+    so the loops that call it vectorise."""
+    cu = _U32(c)
+    mag = _U32((cu & _U32(0x7F)) << _U32(20)).view(np.float32) * _TWO_POW_120
+    sign = _U32((cu & _U32(0x80)) << _U32(24))
+    bits = _U32(_F32(mag).view(np.uint32) | sign)
+    # NaN codes: the canonical quiet NaN, with the code's sign (E4M3_TABLE's bits).
+    bits = _U32(_U32(0x7FC00000) | sign) if (cu & _U32(0x7F)) == _U32(0x7F) else bits
+    return _U32(bits).view(np.float32)
 
 
 @njit(**EXACT)
 def e4m3_scale(src: np.ndarray) -> np.float32:
     """A chunk's E4M3 scale: its largest finite magnitude over 448 (1 when that is 0 or too
     small to scale)."""
-    amax = _F32(0.0)
+    amax = _U32(0)
     for j in range(src.shape[0]):
-        a = abs(src[j])
-        if a > amax and a <= _F32(3.4028235e38):  # finite (NaN fails both)
-            amax = a
-    if amax < _TINY:
+        # Magnitude bits of the finite values (a non-finite one counts as 0): the largest
+        # magnitude is the largest such integer, a vectorised max.
+        m = _U32(_F32(src[j]).view(np.uint32) & _U32(0x7FFFFFFF))
+        amax = max(amax, m if m < _U32(0x7F800000) else _U32(0))
+    a = _U32(amax).view(np.float32)
+    if a < _TINY:
         return _F32(1.0)
-    return _F32(amax * _INV_MAX)
+    return _F32(a * _INV_MAX)
 
 
 @njit(**EXACT)
 def encode_bf16(src: np.ndarray, dst: np.ndarray, residual: np.ndarray) -> np.float64:
     """``dst`` = bfloat16 bits of ``src``; ``residual`` (empty: not kept) = what rounding
     removed; returns the squared residuals' sum."""
-    keep = residual.shape[0] > 0
-    e = np.float64(0.0)
-    for j in range(src.shape[0]):
+    n = src.shape[0]
+    res = residual if residual.shape[0] > 0 else np.empty(n, dtype=np.float32)
+    for j in range(n):
         x = src[j]
         h = f32_to_bf16(x)
         dst[j] = h
         r = x - bf16_to_f32(h)
-        if not np.isfinite(r):
-            r = _F32(0.0)
-        if keep:
-            residual[j] = r
-        e += np.float64(r) * np.float64(r)
-    return e
+        finite = (_F32(x).view(np.uint32) & _U32(0x7F800000)) != _U32(0x7F800000)
+        res[j] = r if finite else _F32(0.0)
+    return sumsq(res)
 
 
 @njit(**EXACT)
 def encode_e4m3(
     src: np.ndarray, dst: np.ndarray, scale: np.float32, residual: np.ndarray
 ) -> np.float64:
-    """``dst`` = E4M3 codes of ``src · (1/scale)`` (a multiply by the reciprocal: one rounding
-    less than no exact division would save); ``residual`` and the return value as
-    :func:`encode_bf16`'s, the decoded value being ``E4M3_TABLE[code] · scale``."""
-    keep = residual.shape[0] > 0
+    """``dst`` = E4M3 codes of ``src · (1/scale)`` (a multiply by the reciprocal);
+    ``residual`` and the return value as :func:`encode_bf16`'s, the decoded value being the
+    code's value times ``scale``."""
+    n = src.shape[0]
+    res = residual if residual.shape[0] > 0 else np.empty(n, dtype=np.float32)
     inv = _F32(1.0) / scale
-    table = E4M3_TABLE
-    e = np.float64(0.0)
-    for j in range(src.shape[0]):
+    for j in range(n):
         x = src[j]
         c = f32_to_e4m3(x * inv)
         dst[j] = c
-        r = x - table[c] * scale
-        if not np.isfinite(r):
-            r = _F32(0.0)
-        if keep:
-            residual[j] = r
-        e += np.float64(r) * np.float64(r)
-    return e
+        r = x - e4m3_to_f32(c) * scale
+        finite = (_F32(x).view(np.uint32) & _U32(0x7F800000)) != _U32(0x7F800000)
+        res[j] = r if finite else _F32(0.0)
+    return sumsq(res)
+
+
+@njit(**REDUCTION)
+def sumsq(a: np.ndarray) -> np.float64:
+    """Sum of squares of float32 ``a``, accumulated in float32 lanes (reassociated under the
+    reduction flags), returned as float64: the rounding error's energy, a statistic."""
+    acc = _F32(0.0)
+    for j in range(a.shape[0]):
+        acc += a[j] * a[j]
+    return np.float64(acc)
 
 
 @njit(**EXACT)
@@ -157,9 +182,8 @@ def add_bf16(acc: np.ndarray, src: np.ndarray) -> None:
 @njit(**EXACT)
 def add_e4m3(acc: np.ndarray, src: np.ndarray, scale: np.float32) -> None:
     """``acc += `` the values of E4M3 codes ``src`` times ``scale``."""
-    table = E4M3_TABLE
     for j in range(src.shape[0]):
-        acc[j] += table[src[j]] * scale
+        acc[j] += e4m3_to_f32(src[j]) * scale
 
 
 @njit(**EXACT)
@@ -172,6 +196,5 @@ def decode_bf16(dst: np.ndarray, src: np.ndarray) -> None:
 @njit(**EXACT)
 def decode_e4m3(dst: np.ndarray, src: np.ndarray, scale: np.float32) -> None:
     """``dst`` = the values of E4M3 codes ``src`` times ``scale``."""
-    table = E4M3_TABLE
     for j in range(src.shape[0]):
-        dst[j] = table[src[j]] * scale
+        dst[j] = e4m3_to_f32(src[j]) * scale

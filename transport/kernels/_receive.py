@@ -31,7 +31,7 @@ loop stores into other arrays that might alias it), but it keeps a tuple in regi
 from __future__ import annotations
 
 import numpy as np
-from gradlane.transport.kernels._codec import decode_bf16, decode_e4m3
+from gradlane.transport.kernels._codec import add_bf16, add_e4m3, decode_bf16, decode_e4m3
 from gradlane.transport.kernels._common import (
     EXACT,
     KEY_PAYLOAD,
@@ -393,6 +393,17 @@ def decode_row(row: np.ndarray, count: int, tmp: np.ndarray) -> np.ndarray:
 
 
 @njit(**EXACT)
+def add_row(acc: np.ndarray, row: np.ndarray, count: int) -> None:
+    """``acc += `` the float32 values of a checked lossy-format DATA row (as
+    :func:`decode_row`, in one pass)."""
+    pay = row[_HDR : _HDR + count * itemsize(int(row[6]))]
+    if row[6] == _BF16:
+        add_bf16(acc, pay.view(np.uint16))
+    else:
+        add_e4m3(acc, pay, row[36:40].view(np.float32)[0])
+
+
+@njit(**EXACT)
 def ordered_add(
     acc: np.ndarray,
     pay: np.ndarray,
@@ -548,12 +559,11 @@ def reduce_f32(
                 # ``pay`` so the float32 loops below keep their array types).
                 off = chunk * ce
                 acc = accum[off : off + count]
-                vals = decode_row(arena[r], count, lossy)
                 if ordered:
+                    vals = decode_row(arena[r], count, lossy)
                     ordered_add(acc, vals, sr, chunk, off, order, pos, stage, staged)
                 else:
-                    for j in range(count):
-                        acc[j] += vals[j]
+                    add_row(acc, arena[r], count)
                 added = decoded = True
         if reason == _OK and not added and received[sr, chunk]:
             reason = _DUPLICATE
