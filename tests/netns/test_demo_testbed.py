@@ -1,7 +1,7 @@
 """``gradlane demo`` across the testbed (netns tier: root or user namespaces): the default
-network where the machine can build it, its three runs (gloo over ECMP, gloo on path 0,
-gradlane over both paths) with time to accuracy, and the fallback to loopback, with the reason,
-where it cannot."""
+network where the machine can build it, its runs (gloo over ECMP, gloo on path 0, gradlane
+over both paths, and by default gradlane with the adaptive wire precision) with time to
+accuracy, and the fallback to loopback, with the reason, where it cannot."""
 
 from __future__ import annotations
 
@@ -81,7 +81,12 @@ def test_the_demo_runs_on_the_testbed_by_default(tmp_path: Path):
     _need_testbed()
     text, doc = _demo(tmp_path, dict(os.environ))
     assert doc["summary"]["network"] == "testbed" and doc["summary"]["link_mbit"] == 200.0
-    assert set(doc["runs"]) == set(TESTBED_RUNS)
+    # The three runs, then gradlane with the adaptive wire precision (--precision's default).
+    assert set(doc["runs"]) == {*TESTBED_RUNS, "gradlane_adaptive"}
+    s = doc["summary"]
+    for key in ("tta_ratio_vs_gloo_adaptive", "accuracy_gradlane_adaptive"):
+        assert key in s, key
+    assert 0 < s["wire_bytes_ratio_adaptive_vs_f32"] <= 1.0, s
     assert "emulated leaf-spine" in text and "running on loopback" not in text
     assert (tmp_path / "demo.png").exists()
 
