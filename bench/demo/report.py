@@ -141,7 +141,13 @@ def plot(out: dict[str, Any], path: str | Path) -> bool:
         return False
     runs = out["runs"]
     target = out["summary"]["accuracy_target"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # A run with a lossy wire precision adds a panel: its controller over the steps.
+    traced = [(n, r["precision_trace"]) for n, r in runs.items() if "precision_trace" in r
+              and any(r["precision_trace"]["compressed_share"])]  # fmt: skip
+    fig, axes = plt.subplots(1, 3 if traced else 2, figsize=(16 if traced else 11, 4.2))
+    ax1, ax2 = axes[0], axes[1]
+    if traced:
+        _precision_panel(axes[2], *traced[0])
     for name, r in runs.items():
         curve = np.asarray(r["tta_curve"], dtype=float)
         (line,) = ax1.plot(curve[:, 0], curve[:, 1], marker=".", label=LABELS.get(name, name))
@@ -165,3 +171,20 @@ def plot(out: dict[str, Any], path: str | Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _precision_panel(ax: Any, name: str, trace: dict[str, list[float]]) -> None:
+    """Rank 0's wire precision per step: the adaptive level (0-2), the share of elements sent
+    in fewer bits and the relative error of what it sent (right axis)."""
+    steps = trace["step"]
+    ax.plot(steps, trace["level"], label="level (0: float32, 1: bf16, 2: E4M3)")
+    ax.plot(steps, trace["compressed_share"], label="compressed share")
+    ax.set_xlabel("step")
+    ax.set_ylim(0, 2.1)
+    ax.set_title(f"{LABELS.get(name, name)}: the controller, rank 0")
+    err = ax.twinx()
+    err.plot(steps, trace["rel_error"], color="tab:red", linestyle="--", label="relative error")
+    err.set_ylabel("relative error")
+    err.set_ylim(0, max(0.05, 1.2 * max(trace["rel_error"], default=0.0)))
+    lines = ax.get_lines() + err.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="center right", fontsize=8)

@@ -112,8 +112,8 @@ def e4m3_to_f32(c: np.uint8) -> np.float32:
 
 @njit(**EXACT)
 def e4m3_scale(src: np.ndarray) -> np.float32:
-    """A chunk's E4M3 scale: its largest finite magnitude over 448 (1 when that is 0 or too
-    small to scale)."""
+    """A chunk's E4M3 scale: its largest finite magnitude times float32(1/448) (1 when that
+    magnitude is 0 or too small to scale)."""
     amax = _U32(0)
     for j in range(src.shape[0]):
         # Magnitude bits of the finite values (a non-finite one counts as 0): the largest
@@ -164,12 +164,13 @@ def encode_e4m3(
 
 @njit(**REDUCTION)
 def sumsq(a: np.ndarray) -> np.float64:
-    """Sum of squares of float32 ``a``, accumulated in float32 lanes (reassociated under the
-    reduction flags), returned as float64: the rounding error's energy, a statistic."""
-    acc = _F32(0.0)
+    """Sum of squares of float32 ``a`` in float64 lanes (reassociated under the reduction
+    flags; float64 so that no finite chunk's energy overflows): the rounding error's energy."""
+    acc = np.float64(0.0)
     for j in range(a.shape[0]):
-        acc += a[j] * a[j]
-    return np.float64(acc)
+        v = np.float64(a[j])
+        acc += v * v
+    return acc
 
 
 @njit(**EXACT)
