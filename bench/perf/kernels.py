@@ -228,8 +228,9 @@ def _lossy(
     baselines: tuple[Callable[[], None], Callable[[], None], Callable[[], None]],
 ) -> None:
     """The lossy wire formats: packing (:func:`encoding.encode_shard`, error feedback on: one
-    pass converting, summing the tag and keeping the residual) against ``np.copyto`` of the
-    float32 input, and reducing such packets (``reduce_into``) against ``dst += src``."""
+    pass converting, summing the tag and keeping the residual; and off, without the residual)
+    against ``np.copyto`` of the float32 input, and reducing such packets (``reduce_into``)
+    against ``dst += src``."""
     do_copy, do_iadd, _ = baselines
     nbytes = src.nbytes
     n = src.shape[0]
@@ -263,6 +264,15 @@ def _lossy(
              GBps=nbytes / tk / 1e9, baseline="np.copyto", baseline_GBps=nbytes / tb / 1e9,
              ratio=ratio)  # fmt: skip
         summary[f"pack_{name}_vs_copy"] = round(ratio, 3)
+
+        def do_pack_plain(formats: np.ndarray = formats) -> int:  # error feedback off
+            return encode_shard(src, formats, chunk_elems=ce, key=fast).payload_bytes
+
+        tk, tb, ratio = _interleaved(do_pack_plain, do_copy, reps)
+        _row(results, kernel=f"pack_{name}_nofb", size_MB=size_mb, payload_B=ce * 4,
+             GBps=nbytes / tk / 1e9, baseline="np.copyto", baseline_GBps=nbytes / tb / 1e9,
+             ratio=ratio)  # fmt: skip
+        summary[f"pack_{name}_no_feedback_vs_copy"] = round(ratio, 3)
 
         arena, lengths = lossy_packets(src, formats, ce, header, fast)
 
