@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from gradlane.transport.kernels._codec import E4M3_TABLE
 from gradlane.transport.wire.header import (
     HEADER_SIZE,
     N_REASONS,
@@ -27,6 +26,8 @@ from gradlane.transport.wire.header import (
     validate,
 )
 from gradlane.transport.wire.tag import TagKey
+
+from tests.support.codec_ref import E4M3_TABLE_REF
 
 __all__ = [
     "after_sent",
@@ -193,7 +194,7 @@ def payload_values(data: bytes, h: Header) -> np.ndarray:
     raw = data[HEADER_SIZE:]
     if h.dtype == DType.E4M3:
         scale = np.uint32(h.aux).view(np.float32)
-        return (E4M3_TABLE[np.frombuffer(raw, dtype=np.uint8)] * scale).astype(np.float32)
+        return (E4M3_TABLE_REF[np.frombuffer(raw, dtype=np.uint8)] * scale).astype(np.float32)
     return as_float32(np.frombuffer(raw, dtype=_wire_type(h.dtype)), DType(h.dtype))
 
 
@@ -597,60 +598,3 @@ def after_sent(
     starts = chunks.astype(np.int64) * chunk_bytes
     sizes = lengths[chunks].astype(np.int64) - HEADER_SIZE
     return cursor, starts, sizes
-
-
-# -- the lossy wire formats (transport/kernels/_codec.py) ----------------------------------------
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """bfloat16 bits of float32 ``x``: round to nearest even in integer arithmetic; NaN keeps
-    its sign and gets the quiet bit; infinities stay."""
-    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    nan = (b & 0x7FFFFFFF) > 0x7F800000
-    return np.where(nan, (b >> 16) | 0x40, rounded).astype(np.uint16)
-
-
-def e4m3_codes(y: np.ndarray) -> np.ndarray:
-    """E4M3FN codes of float32 ``y``: the nearest of the 256 codes' values (ties to the even
-    code), saturating at ±448, NaN → 0x7F | sign. By search over the codes' values, not bits."""
-    y = np.ascontiguousarray(y, dtype=np.float32)
-    values = np.arange(0, 0x7F, dtype=np.int64)  # the non-negative finite codes, ascending
-    mags = E4M3_TABLE[values].astype(np.float64)
-    a = np.abs(y.astype(np.float64))
-    a = np.where(np.isinf(a), 448.0, np.minimum(a, 448.0))
-    hi = np.clip(np.searchsorted(mags, a), 1, values.size - 1)
-    lo = hi - 1
-    d_lo, d_hi = a - mags[lo], mags[hi] - a
-    pick = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
-    pick = np.where(a <= mags[0], 0, pick)
-    sign = (np.signbit(y)).astype(np.int64) << 7
-    codes = values[pick] | sign
-    return np.where(np.isnan(y), 0x7F | sign, codes).astype(np.uint8)
-
-
-def e4m3_scale(x: np.ndarray) -> np.float32:
-    """The chunk's scale: largest finite magnitude times float32(1/448), 1 when it is below
-    2^-100."""
-    x = np.asarray(x, dtype=np.float32)
-    fin = np.abs(x[np.isfinite(x)])
-    amax = np.float32(fin.max()) if fin.size else np.float32(0.0)
-    return (
-        np.float32(1.0)
-        if amax < np.float32(2.0**-100)
-        else np.float32(amax * np.float32(1.0 / 448.0))
-    )
-
-
-def encode_ref(x: np.ndarray, fmt: int, scale: np.float32 | None = None) -> tuple:
-    """(codes, decoded, residual, err2) of float32 ``x`` in ``fmt`` (BF16 or E4M3), residual 0
-    where ``x`` is not finite."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if fmt == DType.BF16:
-        codes = bf16_bits(x)
-        dec = (codes.astype(np.uint32) << 16).view(np.float32)
-    else:
-        s = e4m3_scale(x) if scale is None else scale
-        codes = e4m3_codes(x * (np.float32(1.0) / s))
-        dec = (E4M3_TABLE[codes] * s).astype(np.float32)
-    with np.errstate(invalid="ignore"):  # inf - inf where x is not finite: set to 0 below
-        res = np.where(np.isfinite(x), x - dec, np.float32(0.0)).astype(np.float32)
-    return codes, dec, res, float(np.sum(res.astype(np.float64) ** 2))

@@ -12,7 +12,7 @@ import pytest
 from gradlane.scheduling.precision import PrecisionConfig
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.events import AllReduceComplete, SenderReport
-from gradlane.transport.core.wire_precision import WirePrecision
+from gradlane.transport.core.wire_precision import RESIDUAL_STEPS, WirePrecision
 from gradlane.transport.wire.header import DType, Header, Kind, Phase, Reason, encode
 
 from tests.support.cores import header_of, make, random_datas, run_allreduce
@@ -147,16 +147,25 @@ def test_a_fixed_policy_has_no_controller_and_f32_no_feedback():
     assert fixed.applies(DType.F32, False, 2) and not fixed.applies(DType.BF16, False, 2)
 
 
-def test_the_residual_resets_when_the_bucket_layout_changes():
+def test_the_residual_resets_when_the_bucket_layout_changes_and_goes_when_unused():
     wp = WirePrecision(TransportConfig(precision=PrecisionConfig(policy="e4m3")))
     a = np.ones(10, dtype=np.float32)
-    src, res = wp.contribution(0, a)
+    src, res = wp.contribution(1, 0, a)
     assert res is not None and np.array_equal(src, a)
     res[:] = 0.5
-    src, res2 = wp.contribution(0, a)
+    src, res2 = wp.contribution(2, 0, a)
     assert res2 is res and np.array_equal(src, a + 0.5)
-    src, res3 = wp.contribution(0, np.ones(12, dtype=np.float32))
+    src, res3 = wp.contribution(3, 0, np.ones(12, dtype=np.float32))
     assert res3 is not None and res3.shape == (12,) and not res3.any()
+    # Bucket 1 contributes once; bucket 0 goes on: after RESIDUAL_STEPS more steps, bucket 1's
+    # residual is gone (a fresh zero buffer if it comes back).
+    _, r1 = wp.contribution(3, 1, a)
+    assert r1 is not None
+    r1[:] = 2.0
+    for step in range(4, 4 + RESIDUAL_STEPS + 1):
+        wp.contribution(step, 0, np.ones(12, dtype=np.float32))
+    _, back = wp.contribution(4 + RESIDUAL_STEPS + 1, 1, a)
+    assert back is not None and back is not r1 and not back.any()
 
 
 @pytest.mark.parametrize("aux", [0, 0x7F800000, 0x7FC00000, 0x80000001])

@@ -267,7 +267,7 @@ class TransposeAllReduce:
         residual = None
         if lossy:
             # Plus last time's residual (error feedback): a new array, or the caller's.
-            src, residual = self.precision.contribution(bucket, wire_in)
+            src, residual = self.precision.contribution(step, bucket, wire_in)
         elif rotated:
             src = wire_in.copy()
             kernels.hadamard_forward(

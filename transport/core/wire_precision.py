@@ -41,10 +41,12 @@ from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.events import SenderReport
 from gradlane.transport.wire.header import DType
 
-__all__ = ["WirePrecision"]
+__all__ = ["RESIDUAL_STEPS", "WirePrecision"]
 
 #: Steps judged or pending kept at most (a trainer that skips step numbers leaves gaps).
 _MAX_STEPS = 64
+#: A bucket's residual is dropped once it has not contributed for this many steps.
+RESIDUAL_STEPS = 16
 
 
 @dataclass
@@ -66,6 +68,7 @@ class WirePrecision:
         self.feedback = bool(pc.error_feedback) and self.policy.lossy
         self.controller = AdaptiveController(pc, self.policy) if pc.policy == "adaptive" else None
         self._residuals: dict[int, np.ndarray] = {}
+        self._used: dict[int, int] = {}  # bucket -> the last step it contributed to
         self._steps: dict[int, _Step] = {}
 
     @property
@@ -78,12 +81,21 @@ class WirePrecision:
         residual would be in another step's rotation), with peers."""
         return self.policy.lossy and dtype == DType.F32 and not rotated and world > 1
 
-    def contribution(self, bucket: int, wire: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """What this rank contributes to ``bucket`` (float32 ``wire``), and the residual buffer
-        its transfers write (None without error feedback): ``wire`` plus last time's residual,
-        in a new array, or ``wire`` itself."""
+    def contribution(
+        self, step: int, bucket: int, wire: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """What this rank contributes to ``bucket`` at ``step`` (float32 ``wire``), and the
+        residual buffer its transfers write (None without error feedback): ``wire`` plus last
+        time's residual, in a new array, or ``wire`` itself. The residual of a bucket not
+        used for :data:`RESIDUAL_STEPS` steps is dropped (a caller that numbers its buckets
+        afresh must not grow memory without bound)."""
         if not self.feedback:
             return wire, None
+        self._used[bucket] = step
+        stale = [b for b, s in self._used.items() if s < step - RESIDUAL_STEPS]
+        for b in stale:
+            del self._used[b]
+            self._residuals.pop(b, None)
         res = self._residuals.get(bucket)
         if res is None or res.shape != wire.shape:
             res = np.zeros(wire.shape, dtype=np.float32)  # a new layout: nothing to make up

@@ -27,7 +27,8 @@ beside Python code. Remote bytes are never trusted: a receive kernel checks a da
 every check, the tag included, has passed; a bad datagram only bumps its counter.
 
 Compilation flags come from one place, :class:`KernelConfig` (``GRADLANE_FASTMATH``), read once.
-Each kernel has a plain-NumPy reference in ``tests/support/naive.py`` that the tests hold it to.
+Each kernel has a plain-NumPy reference in ``tests/support/naive.py`` (the wire-precision codec's:
+``tests/support/codec_ref.py``) that the tests hold it to.
 """
 
 from __future__ import annotations

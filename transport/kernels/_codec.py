@@ -5,7 +5,7 @@ Theory of operation
 -------------------
 **bfloat16** keeps float32's sign and exponent and the top 7 of its 23 mantissa bits, rounded
 to nearest, ties to even (an IEEE conversion): the relative error of a normal value is at most
-2⁻⁹. NaN stays NaN (quietened, sign kept), ±inf stays ±inf, and a value that rounds past the
+2⁻⁸. NaN stays NaN (quietened, sign kept), ±inf stays ±inf, and a value that rounds past the
 largest bfloat16 becomes inf, as IEEE rounding does.
 
 **E4M3** is OCP FP8 E4M3FN: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities,
