@@ -146,9 +146,12 @@ class TransportConfig:
     paths: PathConfig = field(default_factory=PathConfig)
     pacing: PacingConfig = field(default_factory=PacingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    """The wire precision of float32 buckets' chunks (default: all float32, bit-exact sums)."""
+    """The wire precision of float32 buckets' chunks (default: all float32, bit-exact sums);
+    a policy's name alone (``precision="adaptive"``) selects it with the defaults."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.precision, str):  # a policy's name alone: precision="adaptive"
+            object.__setattr__(self, "precision", PrecisionConfig(policy=self.precision))
         check_types(self)
         check_secret(self.secret)
         for name, kind in _NESTED.items():
