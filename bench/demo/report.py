@@ -8,6 +8,7 @@ when it is installed: the figure is an extra, the table and the JSON are the res
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,8 @@ def plot(out: dict[str, Any], path: str | Path) -> bool:
     ax2.set_title("step-time CDF")
     ax2.legend(loc="lower right")
     where = out.get("network", "loopback")
-    fig.suptitle(f"gradlane demo: {where}", fontsize=9)
+    width = 190 if traced else 130  # characters per line of the figure's width
+    fig.suptitle(textwrap.fill(f"gradlane demo: {where}", width), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
