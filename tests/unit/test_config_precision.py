@@ -34,3 +34,14 @@ def test_bad_settings_say_what_is_wrong():
     with pytest.raises(ConfigError, match="cannot be combined"):
         TransportConfig(rotate=True, precision="bf16")
     assert TransportConfig(rotate=True).rotate  # float32 with rotation is fine
+
+
+def test_the_daemons_toml_takes_a_name_or_a_table(tmp_path):
+    from gradlane.transport.daemon.config import load
+
+    named = tmp_path / "named.toml"
+    named.write_text('[transport]\nprecision = "adaptive"\n')
+    assert load(str(named)).transport.precision.policy == "adaptive"
+    table = tmp_path / "table.toml"
+    table.write_text('[transport.precision]\npolicy = "e4m3"\nerror_bound = 0.1\n')
+    assert load(str(table)).transport.precision == PrecisionConfig(policy="e4m3", error_bound=0.1)
