@@ -129,7 +129,55 @@ def killed(rank: int, world: int, args: dict, down: Any) -> dict:
         state.close()
 
 
+def lossy(rank: int, world: int, args: dict, down: Any) -> dict:
+    """Daemon-mode training whose daemons send chunks in a lossy wire precision (their
+    ``[transport]`` config), beside DDP's default hook on the same batches: per step the gap
+    between the two models' gradients, the step statistics the daemon reported back, and at
+    the end how far this rank's parameters are from rank 0's."""
+    import torch.distributed as dist
+
+    torch.manual_seed(args["seed"])
+    ref_model = digits_mlp()
+    dmn_model = copy.deepcopy(ref_model)
+    ddps = [DistributedDataParallel(m, bucket_cap_mb=BUCKET_CAP_MB) for m in (ref_model, dmn_model)]
+    dmn = _daemon_state(rank, args, dmn_model)
+    ddps[1].register_comm_hook(dmn, gradlane_hook)
+    gaps: list[float] = []
+    try:
+        for step in range(args["steps"]):
+            x, y = _batch(args["seed"], rank, step, torch.float32)
+            for d in ddps:
+                _loss(d, x, y).backward()
+            scale = max(float(p.grad.abs().max()) for p in ref_model.parameters())
+            gaps.append(_gap(ref_model, dmn_model, scale))
+            with torch.no_grad():  # the same step for both
+                for a, b in zip(ref_model.parameters(), dmn_model.parameters(), strict=True):
+                    a.add_(a.grad, alpha=-0.1)
+                    b.copy_(a)
+                    a.grad = b.grad = None
+        # The daemon-mode model as trained by its own gradients for one more step: every rank
+        # must hold the same parameters (the owners keep what they gather).
+        x, y = _batch(args["seed"], rank, args["steps"], torch.float32)
+        _loss(ddps[1], x, y).backward()
+        with torch.no_grad():
+            for p in dmn_model.parameters():
+                p.add_(p.grad, alpha=-0.1)
+            flat = torch.cat([p.reshape(-1) for p in dmn_model.parameters()])
+            ref0 = flat.clone()
+            dist.broadcast(ref0, 0)
+        steps = dmn.step_stats()
+    finally:
+        dmn.close()
+    return {
+        "gaps": gaps,
+        "divergence": float((flat - ref0).abs().max()),
+        "share": [st.compressed_share for st in steps],
+        "format_bytes": [list(st.format_bytes) for st in steps],
+    }
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict, Any], Any]] = {
+    "lossy": lossy,
     "equality": equality,
     "killed": killed,
 }

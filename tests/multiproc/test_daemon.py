@@ -45,7 +45,7 @@ def _free_port(host: str, kind: int = socket.SOCK_STREAM) -> int:
 class Daemons:
     """``HOSTS`` daemon processes of one job, host h on 127.0.0.(h+1), sockets in a temp dir."""
 
-    def __init__(self, hard_deadline_s: float = 60.0) -> None:
+    def __init__(self, hard_deadline_s: float = 60.0, toml: str = "") -> None:
         self.job = 100_000 + os.getpid() % 100_000
         self.dir = tempfile.mkdtemp(prefix="gl-d-")
         self.sockets = [os.path.join(self.dir, f"h{h}.sock") for h in range(HOSTS)]
@@ -54,6 +54,11 @@ class Daemons:
         self.hard = hard_deadline_s
         self.procs: list[subprocess.Popen[str] | None] = [None] * HOSTS
         self.metrics: list[str] = [""] * HOSTS
+        self.config = ""
+        if toml:  # the daemons' config file (--config)
+            self.config = os.path.join(self.dir, "daemon.toml")
+            with open(self.config, "w", encoding="utf-8") as f:
+                f.write(toml)
 
     def start(self, host: int) -> None:
         """Start host ``host``'s daemon and wait (bounded) for its ready line."""
@@ -82,6 +87,7 @@ class Daemons:
             "127.0.0.1:0",
             "--log-level",
             "WARNING",
+            *(["--config", self.config] if self.config else []),
         ]
         env = {**os.environ, "PYTHONPATH": ROOT}
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -292,3 +298,25 @@ def test_kill_9_of_a_daemon_mid_step_fails_every_rank_clearly(daemons: Daemons, 
             assert "PeerTimeout: rank(s) 0 did not deliver" in text, text
         assert r["elapsed"] < WAIT_S / 4, r
     assert daemons.terminate(1) == 0
+
+
+@pytest.mark.timeout(300)
+def test_daemons_with_a_lossy_wire_precision_train_alike_and_report_it(ranks: Ranks):
+    """Daemons configured with ``precision = "e4m3"``: the chunks they send each other travel
+    in 8 bits; every trainer holds the same parameters, the gradients stay near the default
+    hook's, and the step statistics the daemon reports back say what was compressed."""
+    d = Daemons(hard_deadline_s=10.0, toml='[transport]\nprecision = "e4m3"\n')
+    try:
+        for h in range(HOSTS):
+            d.start(h)
+        steps = 4
+        ranks.start("lossy", {"sockets": d.sockets, "job": d.job, "steps": steps, "seed": 13})
+        results = ranks.collect("ok", 4)
+    finally:
+        d.cleanup()
+    for rank, r in results.items():
+        assert r["divergence"] == 0.0, f"rank {rank}: {r['divergence']}"
+        assert max(r["gaps"]) < 0.1, f"rank {rank}: {r['gaps']}"
+        # After DDP's bucket rebuild, each step sent E4M3 bytes and compressed most elements.
+        assert all(fb[2] > 0 for fb in r["format_bytes"][1:]), r["format_bytes"]
+        assert min(r["share"][1:]) > 0.3, r["share"]

@@ -88,6 +88,10 @@ def test_report_round_trip():
     rep = CollectiveReport(3, 1, 0.02, loss, (loss,), SenderReport((1, 2), (0, 1), (0, 0), 9, (9,)))
     wire = json.loads(json.dumps(ipc.report_to_wire(rep)))
     assert ipc.report_from_wire(wire) == rep
+    # The wire precision's figures travel too (daemon mode's step statistics show them).
+    snd = SenderReport((1, 2), (0, 1), (0, 0), 9, (9,), (400, 200, 100), 70, 100, 0.25, 4.0)
+    lossy = CollectiveReport(3, 1, 0.02, loss, (loss,), snd, 0.01, precision_level=1.5)
+    assert ipc.report_from_wire(json.loads(json.dumps(ipc.report_to_wire(lossy)))) == lossy
     with pytest.raises(ipc.IpcError):
         ipc.report_from_wire({"step": 1})
 

@@ -308,8 +308,14 @@ def report_from_wire(d: dict[str, Any]) -> CollectiveReport:
                 retransmitted=tuple(s["retransmitted"]),
                 bytes_sent=int(s["bytes_sent"]),
                 per_path_bytes=tuple(s["per_path_bytes"]),
+                format_bytes=tuple(int(x) for x in s.get("format_bytes", (0, 0, 0))),
+                lossy_elems=int(s.get("lossy_elems", 0)),
+                elems=int(s.get("elems", 0)),
+                err2=float(s.get("err2", 0.0)),
+                norm2=float(s.get("norm2", 0.0)),
             ),
             reduce_s=float(d.get("reduce_s", 0.0)),
+            precision_level=float(d.get("precision_level", 0.0)),
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise IpcError("bad_field", f"DONE.report is not a collective report ({e!r})") from None
