@@ -49,7 +49,8 @@ class StepStats:
     """Chunks of the step's results holding NaN or infinite values
     (:attr:`~gradlane.transport.core.events.CollectiveReport.nonfinite_chunks`)."""
     format_bytes: tuple[int, int, int] = (0, 0, 0)
-    """Payload bytes this rank started sending, by wire format: float32, bfloat16, E4M3."""
+    """Payload bytes this rank started sending, by wire format: uncompressed (the bucket's
+    own type), bfloat16, E4M3."""
     compressed_share: float = 0.0
     """Share of the elements this rank sent in a lossy wire format."""
     rel_error: float = 0.0

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from gradlane.scheduling.precision import PrecisionConfig
 from gradlane.transport.config import TransportConfig
+from gradlane.transport.core.collective import shard_bounds
 from gradlane.transport.core.events import AllReduceComplete, SenderReport
 from gradlane.transport.core.wire_precision import RESIDUAL_STEPS, WirePrecision
 from gradlane.transport.wire.header import DType, Header, Kind, Phase, Reason, encode
@@ -78,7 +79,7 @@ def test_protected_chunks_travel_float32_and_the_rest_in_fewer_bits():
     assert fb[2] > 0 and fb[0] > 0 and fb[1] == 0
 
 
-def test_the_default_policy_is_float32_and_bit_exact():
+def test_the_default_policy_sends_float32_and_every_rank_holds_the_same_sum():
     world, n = 3, 2000
     datas = random_datas(world, n, seed=2)
     eps = make(world)
@@ -87,6 +88,12 @@ def test_the_default_policy_is_float32_and_bit_exact():
     for r in range(world):
         rep = out[r].report.sender
         assert rep.format_bytes[1] == rep.format_bytes[2] == 0 and rep.compressed_share == 0.0
+        # The two other shards to their owners, then this rank's own shard to both peers.
+        b = shard_bounds(n, world)
+        sizes = np.diff(b)
+        sent = 4 * (int(sizes.sum()) - int(sizes[r]) + (world - 1) * int(sizes[r]))
+        assert rep.format_bytes[0] == sent and rep.err2 == rep.norm2 == 0.0
+        assert np.array_equal(out[r].result.view(np.uint32), out[0].result.view(np.uint32))
         np.testing.assert_allclose(out[r].result, exact, rtol=1e-5, atol=1e-6)
 
 

@@ -155,7 +155,8 @@ class SenderReport:
     per_path_bytes: tuple[int, ...] = ()
     format_bytes: tuple[int, ...] = (0, 0, 0)
     """Payload bytes of the transfers started (each chunk once per destination) by wire
-    format: float32, bfloat16, E4M3."""
+    format: uncompressed (the bucket's own type: float32 for a float32 bucket), bfloat16,
+    E4M3."""
     lossy_elems: int = 0
     """Elements of those transfers sent in a lossy format (of :attr:`elems`)."""
     elems: int = 0

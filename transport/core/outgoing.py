@@ -169,7 +169,7 @@ class OutTransfer:
             flags[self.order[-1]] |= _PASS_END  # the first pass's last chunk (Flags.PASS_END)
         if encoded is None and precision is not None and precision.lossy and n:
             encoded = self._encode(data, dtype, stats, precision, residual, decoded, cfg)
-        elif residual is not None:
+        if encoded is None and residual is not None:
             residual[:] = 0.0  # sent as it is: nothing for the next step to make up
         self.encoded = encoded
         self.lengths = np.zeros(max(n, 1), dtype=np.int32)
@@ -282,8 +282,6 @@ class OutTransfer:
             self.n_chunks,
         )
         if not formats.any():
-            if residual is not None:
-                residual[:] = 0.0
             return None
         return encode_shard(
             data,

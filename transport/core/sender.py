@@ -205,7 +205,8 @@ class SenderCore(LossHandling):
         )
         self.transfers[key] = t
         if t.n_chunks:
-            self._note_formats(t, count_error)
+            # The shard's energy only where it can be rounded: the float32 path pays nothing.
+            self._note_formats(t, count_error and precision is not None and precision.lossy)
         t.group = self._stats(key.step, key.bucket, self._seq).first_seq
         if t.n_chunks == 0:
             self._retire(t)
@@ -245,8 +246,8 @@ class SenderCore(LossHandling):
         if count_error:
             s.norm2 += float(np.square(t.norms, dtype=np.float64).sum())
         enc = t.encoded
-        if enc is None:
-            s.format_bytes[0] += int(t.lengths[: t.n_chunks].sum()) - HEADER_SIZE * t.n_chunks
+        if enc is None:  # every chunk in the shard's own type
+            s.format_bytes[0] += t.n_elems * t.chunk_bytes // t.chunk_elems  # × itemsize
             return
         pay = enc.lengths.astype(np.int64) - HEADER_SIZE
         s.format_bytes += np.bincount(_FORMAT_SLOT[enc.formats], weights=pay, minlength=3).astype(

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from gradlane.scheduling.precision import (
     AdaptiveController,
+    AdaptivePolicy,
     PrecisionPolicy,
     make_precision_policy,
     relative_error,
@@ -66,7 +67,10 @@ class WirePrecision:
         pc = config.precision
         self.policy: PrecisionPolicy = make_precision_policy(pc)
         self.feedback = bool(pc.error_feedback) and self.policy.lossy
-        self.controller = AdaptiveController(pc, self.policy) if pc.policy == "adaptive" else None
+        # A fixed policy has no controller, and then no step needs judging.
+        self.controller = (
+            AdaptiveController(pc, self.policy) if isinstance(self.policy, AdaptivePolicy) else None
+        )
         self._residuals: dict[int, np.ndarray] = {}
         self._used: dict[int, int] = {}  # bucket -> the last step it contributed to
         self._steps: dict[int, _Step] = {}
@@ -74,7 +78,7 @@ class WirePrecision:
     @property
     def level(self) -> float:
         """The adaptive level now (0: all float32); a fixed policy's is not adaptive: 0."""
-        return float(getattr(self.policy, "level", 0.0)) if self.controller is not None else 0.0
+        return self.controller.level if self.controller is not None else 0.0
 
     def applies(self, dtype: int, rotated: bool, world: int) -> bool:
         """Whether a collective of this dtype may send lossy chunks: float32, not rotated (the
@@ -109,6 +113,8 @@ class WirePrecision:
 
     def on_start(self, step: int, now: float) -> None:
         """A collective of ``step`` starts at ``now``: may judge earlier steps."""
+        if self.controller is None:
+            return
         rec = self._steps.get(step)
         if rec is None:
             rec = self._steps[step] = _Step(first=now, last_start=now)
@@ -119,6 +125,8 @@ class WirePrecision:
     def on_end(self, step: int, now: float, sender: SenderReport | None) -> None:
         """A collective of ``step`` ended at ``now`` (completed, with its sender's report, or
         failed, without)."""
+        if self.controller is None:
+            return
         rec = self._steps.get(step)
         if rec is None:
             return
@@ -136,7 +144,7 @@ class WirePrecision:
             rec = self._steps[s]
             if rec.running > 0:
                 continue
-            if self.controller is not None and np.isfinite(rec.last_done):
+            if self.controller is not None and np.isfinite(rec.last_done):  # (for mypy)
                 self.controller.update(
                     exposed_s=max(rec.last_done - rec.last_start, 0.0),
                     step_s=max(self._steps[nxt].first - rec.first, 0.0),

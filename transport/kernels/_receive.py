@@ -50,6 +50,7 @@ from gradlane.transport.wire.header import (
     ITEMSIZE,
     LOSSY,
     MAGIC,
+    MAX_SCALE_BITS,
     VERSION,
     DType,
     Kind,
@@ -124,7 +125,6 @@ _ITEM_16 = ITEMSIZE[DType.F16]
 _ITEM_8 = ITEMSIZE[DType.E4M3]
 assert ITEMSIZE[DType.F16] == ITEMSIZE[DType.BF16] == 2
 assert {DType.BF16, DType.E4M3} == LOSSY, "the kernels below decode exactly these"
-_MAX_SCALE_BITS = 0x7F7FFFFF  # the largest finite float32: header.scale_ok
 _LOSSY_MASK = sum(1 << int(d) for d in LOSSY)  # bit k: dtype k is a lossy wire format
 _HDR = HEADER_SIZE
 
@@ -202,7 +202,7 @@ def check_packet(
     payload = n - _HDR
     count = np.int64(row32[7])
     if kind == _DATA:
-        if dtype > _DTYPE_MAX or (dtype == _E4M3 and not 0 < row32[9] <= _MAX_SCALE_BITS):
+        if dtype > _DTYPE_MAX or (dtype == _E4M3 and not 0 < row32[9] <= MAX_SCALE_BITS):
             return _BAD_DTYPE, kind, src, 0, count
         if count * itemsize(dtype) != payload:
             return _COUNT_MISMATCH, kind, src, 0, count
@@ -525,7 +525,8 @@ def reduce_f32(
     one = np.float32(1.0)
     kp = key[KEY_PAYLOAD:]
     save = np.empty(ce, dtype=np.float32)
-    lossy = np.empty(ce, dtype=np.float32)  # a lossy-format row's decoded values
+    # A lossy-format row's decoded values, allocated by the first row that needs them.
+    lossy = np.empty(0, dtype=np.float32)
     _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
@@ -560,6 +561,8 @@ def reduce_f32(
                 off = chunk * ce
                 acc = accum[off : off + count]
                 if ordered:
+                    if lossy.shape[0] < ce:
+                        lossy = np.empty(ce, dtype=np.float32)
                     vals = decode_row(arena[r], count, lossy)
                     ordered_add(acc, vals, sr, chunk, off, order, pos, stage, staged)
                 else:
@@ -704,7 +707,8 @@ def place_rows(
     want_verdicts = verdicts.shape[0] > 0
     kp = key[KEY_PAYLOAD:]
     save = np.empty(ce, dtype=out.dtype)
-    lossy = np.empty(ce, dtype=np.float32)  # a lossy-format row's decoded values
+    # A lossy-format row's decoded values, allocated by the first row that needs them.
+    lossy = np.empty(0, dtype=np.float32)
     _check_rows(rows, arena.shape[0])
     accepted = 0
     for i in range(rows.shape[0]):
@@ -753,6 +757,8 @@ def place_rows(
             elif reason == _OK:  # a lossy-format chunk of a float32 result: decoded in place
                 off = chunk * ce
                 dst = out[off : off + count]
+                if lossy.shape[0] < ce:
+                    lossy = np.empty(ce, dtype=np.float32)
                 bits = decode_row(arena[r], count, lossy).view(np.uint32)
                 least = emask
                 for j in range(count):

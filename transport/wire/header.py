@@ -62,6 +62,7 @@ __all__ = [
     "ITEMSIZE",
     "LOSSY",
     "MAGIC",
+    "MAX_SCALE_BITS",
     "MAX_UDP_PAYLOAD",
     "SHARD_DTYPES",
     "VERSION",
@@ -164,7 +165,7 @@ SHARD_DTYPES = (DType.F32, DType.F16, DType.BF16)
 #: chunk's choice; the receiver converts to float32 as it reduces or places).
 LOSSY = frozenset((DType.BF16, DType.E4M3))
 #: Bits of the largest positive finite float32: an E4M3 scale's bits are in (0, this].
-_MAX_FINITE_BITS = 0x7F7FFFFF
+MAX_SCALE_BITS = 0x7F7FFFFF
 
 
 def wire_format_ok(dtype: int, transfer_dtype: int) -> bool:
@@ -176,7 +177,7 @@ def wire_format_ok(dtype: int, transfer_dtype: int) -> bool:
 def scale_ok(dtype: int, aux: int) -> bool:
     """Whether a DATA packet's ``aux`` suits its ``dtype``: an E4M3 packet's scale (float32
     bits) must be positive and finite; other types do not read it."""
-    return dtype != DType.E4M3 or 0 < aux <= _MAX_FINITE_BITS
+    return dtype != DType.E4M3 or 0 < aux <= MAX_SCALE_BITS
 
 
 class Reason(IntEnum):
@@ -509,7 +510,7 @@ def validate_data_rows(hv: np.ndarray, lengths: np.ndarray, session: SessionSpec
         (hv["shard"] >= max(session.world, 1), Reason.BAD_SHARD),
         (
             (dt > DType.E4M3)
-            | ((dt == DType.E4M3) & ((hv["aux"] == 0) | (hv["aux"] > _MAX_FINITE_BITS))),
+            | ((dt == DType.E4M3) & ((hv["aux"] == 0) | (hv["aux"] > MAX_SCALE_BITS))),
             Reason.BAD_DTYPE,
         ),
         (hv["count"].astype(np.int64) * itemsize != lengths - HEADER_SIZE, Reason.COUNT_MISMATCH),
