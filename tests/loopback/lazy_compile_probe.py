@@ -18,6 +18,7 @@ from typing import Any
 import numba
 import numpy as np
 from gradlane.scheduling.loss import LossConfig
+from gradlane.scheduling.precision import PrecisionConfig
 from gradlane.transport.config import TransportConfig, loopback_config
 from gradlane.transport.drivers.peers import StaticPeers
 from gradlane.transport.drivers.udp.plane import InjectedLoss, UdpPlane
@@ -103,6 +104,10 @@ def collectives(start: Callable[[], list[Any]]) -> tuple[dict, dict]:
             e.close()
 
 
+#: Chunks in float32, bfloat16 and E4M3 at once (the adaptive level between the two).
+MIXED = PrecisionConfig(policy="adaptive", initial_level=1.5)
+
+
 def main() -> None:
     new: dict[str, set[str]] = {}
     warmed = 0
@@ -113,6 +118,14 @@ def main() -> None:
         lambda: udp(2, loopback_config(seed=1), inject_loss=0.05),
         lambda: udp(3, loopback_config(seed=2, loss=bounded), inject_loss=0.05),
         lambda: udp(2, loopback_config(secret="warm", loss=bounded)),
+        # Lossy wire formats, bfloat16 and E4M3 chunks beside float32 ones, with lost packets.
+        lambda: udp(
+            2,
+            loopback_config(
+                seed=3, precision=PrecisionConfig(policy="adaptive", initial_level=1.5)
+            ),
+            inject_loss=0.05,
+        ),
         lambda: zmq(2, zmq_config(), where),
     ]
     try:

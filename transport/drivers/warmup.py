@@ -23,6 +23,7 @@ short: a wait says that another process is compiling (INFO) only once it lasts
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -33,6 +34,7 @@ from collections.abc import Iterator
 import numpy as np
 from gradlane.scheduling.loss import LossConfig, LossPolicy
 from gradlane.scheduling.pacing import PacingConfig
+from gradlane.scheduling.precision import PrecisionConfig
 from gradlane.transport import kernels
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.collective import TransposeAllReduce
@@ -162,6 +164,11 @@ def _warm_all_reduce() -> None:
         (DType.BF16, np.arange(2000, dtype=np.uint16)),
     ):
         _warm_exchange(cfg, dtype, data)
+    # Lossy wire formats (a precision policy): chunks in float32, bfloat16 and E4M3 at once,
+    # encoded, reduced and placed; with a cold cache their first compile would otherwise land
+    # in the first steps of a job that turns them on.
+    mixed = PrecisionConfig(policy="adaptive", initial_level=1.5)
+    _warm_exchange(dataclasses.replace(cfg, rotate=False, precision=mixed), None, x)
     _warm_receiver_checks()
 
 
