@@ -480,6 +480,29 @@ BAD = {
         _enc(BASE.with_(dtype=DType.E4M3, count=32, aux=0x7FC00000), n_payload=32),
         Reason.BAD_DTYPE,
     ),
+    "e4m3_inf_scale": (
+        _enc(BASE.with_(dtype=DType.E4M3, count=32, aux=0x7F800000), n_payload=32),
+        Reason.BAD_DTYPE,
+    ),
+    # Lossy-format chunks of the float32 transfer that pass every check but one.
+    "bf16_bad_tag": (_flip(_enc(BASE.with_(dtype=DType.BF16), n_payload=64), 90), Reason.BAD_TAG),
+    "e4m3_bad_tag": (
+        _flip(_enc(BASE.with_(dtype=DType.E4M3, aux=0x3F800000), n_payload=32), 70),
+        Reason.BAD_TAG,
+    ),
+    "bf16_float32_length": (_enc(BASE.with_(dtype=DType.BF16)), Reason.COUNT_MISMATCH),
+    "e4m3_bf16_length": (
+        _enc(BASE.with_(dtype=DType.E4M3, aux=0x3F800000), n_payload=64),
+        Reason.COUNT_MISMATCH,
+    ),
+    "bf16_other_step": (
+        _enc(BASE.with_(dtype=DType.BF16, step=6), n_payload=64),
+        Reason.UNKNOWN_TRANSFER,
+    ),
+    "bf16_chunk_range": (
+        _enc(BASE.with_(dtype=DType.BF16, chunk=4, count=4), n_payload=8),
+        Reason.CHUNK_RANGE,
+    ),
     "count_vs_payload": (_enc(BASE, n_payload=124), Reason.COUNT_MISMATCH),
     "count_vs_chunk": (_enc(BASE.with_(chunk=3, count=32)), Reason.COUNT_MISMATCH),
     "short_count": (_enc(BASE.with_(count=31)), Reason.COUNT_MISMATCH),
@@ -635,6 +658,8 @@ HEADER_FUZZ = st.fixed_dictionaries(
         "count": st.sampled_from([0, 1, 4, 31, 32, 33, 64, 2**31]),
         "flags": st.integers(0, 255),
         "prio": st.integers(0, 255),
+        # An E4M3 chunk's scale: none, valid, the largest valid, infinity, NaN.
+        "aux": st.sampled_from([0, 0x3F800000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000]),
     }
 )
 
@@ -657,7 +682,7 @@ def test_well_tagged_random_headers_match_validate_and_write_only_their_slot(
     datagrams = []
     for fields, claimed in packets:
         h = Header(**fields)
-        item = (4, 2, 2)[h.dtype] if h.dtype < 3 else 4
+        item = (4, 2, 2, 1)[h.dtype] if h.dtype < 4 else 4
         n_payload = min(h.count, 200) * item if claimed is None else claimed
         datagrams.append(encode(h, np.arange(n_payload, dtype=np.uint8), key))
     arena, lengths = arena_of(datagrams, width=row_width(32, DType.F32, extra=800))

@@ -9,11 +9,13 @@ for any bytes.
 Each batch loop decides a row in two steps. The fast path (:func:`fast_header`) compares the
 header with what every valid DATA packet of this transfer must carry — three masked u64 words and
 the src/chunk/count/length ranges, branch-free — and, if it matches, only the tag is left to check.
-A row that misses the fast path is rejected, unless it carries a chunk of a float32 transfer
-in a lossy wire format (bfloat16 or E4M3, :data:`~gradlane.transport.wire.header.LOSSY`): the
-out-of-line :func:`slow_verdict` runs the full ordered check, the tag included, and names the
-reason, or accepts such a row, which is then decoded to float32 (:func:`decode_row`) and added
-or placed like a float32 one. A fast row of at least :data:`FUSE_MIN_ITEMS` floats'
+A lossy-format chunk of a float32 transfer (bfloat16 or E4M3,
+:data:`~gradlane.transport.wire.header.LOSSY`) has a fast path of its own (:func:`lossy_header`:
+the same fields with its own dtype, its length at that dtype's itemsize, a valid E4M3 scale);
+such a row's tag is checked first, then it is decoded to float32 as it is added or placed. A row
+that misses both goes to the out-of-line :func:`slow_verdict`, which runs the full ordered check,
+the tag included, and names the reason (a lossy chunk it accepts is decoded like the others).
+A fast row of at least :data:`FUSE_MIN_ITEMS` floats'
 worth of payload, for a slot not yet filled, goes through one of :mod:`._tagged`'s fused loops,
 which read each payload word once for the tag sums and the add or copy, keeping the slot's old
 values, and put them back if the tag does not match: the slot, contributor count and received
@@ -341,6 +343,39 @@ def fast_header(
     return fast, src, chunk, count
 
 
+_DTYPE_BITS = np.uint64(0xFF << 48)  # u64 header word 0: the dtype field
+_F32_BITS = np.uint64(_F32 << 48)
+
+
+@njit(inline="always", **EXACT)
+def lossy_header(
+    h0: np.uint64,
+    h1: np.uint64,
+    h2: np.uint64,
+    h3: np.uint64,
+    h4: np.uint64,
+    length: int,
+    chunk_elems: int,
+    ex: Expected,
+) -> tuple[bool, int, int, int]:
+    """:func:`fast_header` for a lossy-format chunk (bfloat16 or E4M3) of a float32 transfer
+    (``ex`` a float32 transfer's): the same header fields with the row's own dtype in place of
+    float32, the payload's length at that dtype's itemsize and, for E4M3, a valid scale (``aux``,
+    the high half of header word 4). ``fast`` False for any other row."""
+    dt = np.int64((h0 >> _U64(48)) & _U64(0xFF))
+    item = _ITEM_8 if dt == _E4M3 else _ITEM_16
+    scale = h4 >> _U64(32)
+    lossy = (
+        ((ex[1] & _DTYPE_BITS) == _F32_BITS)
+        & ((dt == _BF16) | (dt == _E4M3))
+        & ((dt != _E4M3) | ((scale > _U64(0)) & (scale <= _U64(MAX_SCALE_BITS))))
+    )
+    fast, src, chunk, count = fast_header(
+        (h0 & ~_DTYPE_BITS) | _F32_BITS, h1, h2, h3, length, item, chunk_elems, ex
+    )
+    return lossy & fast, src, chunk, count
+
+
 @njit(**EXACT)
 def slow_verdict(
     row32: np.ndarray,
@@ -536,6 +571,11 @@ def reduce_f32(
         fast, src, chunk, count = fast_header(
             row64[0], row64[1], row64[2], row64[3], length, _ITEM_F32, ce, ex
         )
+        lossy_row = False
+        if not fast:
+            lossy_row, src, chunk, count = lossy_header(
+                row64[0], row64[1], row64[2], row64[3], row64[4], length, ce, ex
+            )
         sr = src - src_lo
         off = chunk * ce
         acc = accum[off : off + count]
@@ -550,24 +590,25 @@ def reduce_f32(
             else:
                 undo(acc, save, count)
                 reason = _BAD_TAG
-        elif fast:
+        elif fast or lossy_row:
             reason = _OK if row_tag(row64, length, mode, key) == row64[5] else _BAD_TAG
         else:
             reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, key)
             sr = src - src_lo
-            if reason == _OK and not received[sr, chunk]:
-                # A lossy-format chunk: added here from its float32 values (kept apart from
-                # ``pay`` so the float32 loops below keep their array types).
-                off = chunk * ce
-                acc = accum[off : off + count]
-                if ordered:
-                    if lossy.shape[0] < ce:
-                        lossy = np.empty(ce, dtype=np.float32)
-                    vals = decode_row(arena[r], count, lossy)
-                    ordered_add(acc, vals, sr, chunk, off, order, pos, stage, staged)
-                else:
-                    add_row(acc, arena[r], count)
-                added = decoded = True
+            lossy_row = reason == _OK  # only a lossy-format chunk passes the full check
+        if lossy_row and reason == _OK and not received[sr, chunk]:
+            # A lossy-format chunk: added here from its float32 values (kept apart from
+            # ``pay`` so the float32 loops below keep their array types).
+            off = chunk * ce
+            acc = accum[off : off + count]
+            if ordered:
+                if lossy.shape[0] < ce:
+                    lossy = np.empty(ce, dtype=np.float32)
+                vals = decode_row(arena[r], count, lossy)
+                ordered_add(acc, vals, sr, chunk, off, order, pos, stage, staged)
+            else:
+                add_row(acc, arena[r], count)
+            added = decoded = True
         if reason == _OK and not added and received[sr, chunk]:
             reason = _DUPLICATE
         if reason == _OK:
@@ -718,6 +759,11 @@ def place_rows(
         fast, src, chunk, count = fast_header(
             row64[0], row64[1], row64[2], row64[3], length, out.itemsize, ce, ex
         )
+        lossy_row = False
+        if not fast:
+            lossy_row, src, chunk, count = lossy_header(
+                row64[0], row64[1], row64[2], row64[3], row64[4], length, ce, ex
+            )
         sr = src - src_lo
         reason = _DUPLICATE
         if fast and not received[sr, chunk]:
@@ -750,8 +796,11 @@ def place_rows(
             if row_tag(row64, length, mode, key) != row64[5]:
                 reason = _BAD_TAG
         else:
-            reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, key)
-            sr = src - src_lo
+            if lossy_row:
+                reason = _OK if row_tag(row64, length, mode, key) == row64[5] else _BAD_TAG
+            else:
+                reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, key)
+                sr = src - src_lo
             if reason == _OK and received[sr, chunk]:
                 reason = _DUPLICATE
             elif reason == _OK:  # a lossy-format chunk of a float32 result: decoded in place
