@@ -744,7 +744,8 @@ def place_rows(
     want_contrib = contrib.shape[0] > 0
     want_nonfinite = nonfinite.shape[0] > 0
     dt = sp[S_T_DTYPE]
-    emask = 0x7F800000 if dt == _F32 else (0x7C00 if dt == _F16 else 0x7F80)
+    # u32 lanes: a running minimum in int64 lanes would halve the copy loop's vectors.
+    emask = np.uint32(0x7F800000 if dt == _F32 else (0x7C00 if dt == _F16 else 0x7F80))
     want_verdicts = verdicts.shape[0] > 0
     kp = key[KEY_PAYLOAD:]
     save = np.empty(ce, dtype=out.dtype)
@@ -786,7 +787,7 @@ def place_rows(
                     for j in range(count):
                         v = pay[j]
                         dst[j] = v
-                        least = min(least, ~v & emask)
+                        least = min(least, ~np.uint32(v) & emask)
                     bad = least == 0
             reason = _OK if good else _BAD_TAG
             if good and want_nonfinite and bad:
@@ -813,7 +814,7 @@ def place_rows(
                 for j in range(count):
                     v = bits[j]
                     dst[j] = v
-                    least = min(least, ~v & emask)
+                    least = min(least, ~np.uint32(v) & emask)
                 if want_nonfinite and least == 0:
                     nonfinite[chunk] = 1
         if reason == _OK:

@@ -36,6 +36,7 @@ from gradlane.transport.wire.tag import NH_SHIFT, TAG_KEYED, nh
 from numba import njit
 
 _U64 = np.uint64
+_U32 = np.uint32
 
 
 @njit(inline="always", **EXACT)
@@ -101,7 +102,7 @@ def add_f32(
 
 @njit(inline="always", **EXACT)
 def _copy2(
-    pay: np.ndarray, dst: np.ndarray, save: np.ndarray, k: int, least: int, emask: int
+    pay: np.ndarray, dst: np.ndarray, save: np.ndarray, k: int, least: np.uint32, emask: np.uint32
 ) -> int:
     """Copy (and save) items ``2k`` and ``2k + 1``; the running minimum of inverted exponents."""
     x0 = pay[2 * k]
@@ -110,7 +111,7 @@ def _copy2(
     save[2 * k + 1] = dst[2 * k + 1]
     dst[2 * k] = x0
     dst[2 * k + 1] = x1
-    return min(least, ~x0 & emask, ~x1 & emask)
+    return min(least, ~_U32(x0) & emask, ~_U32(x1) & emask)
 
 
 @njit(inline="always", **EXACT)
@@ -122,7 +123,7 @@ def copy_words(
     count: int,
     mode: int,
     kp: np.ndarray,
-    emask: int,
+    emask: np.uint32,
 ) -> tuple[np.uint64, np.uint64, bool]:
     """``dst[:count] = pay[:count]`` bit-exactly (u32 or u16 items), old values to ``save``, the
     tag sums, and whether an item has every exponent bit of ``emask`` set (NaN or infinity: a
@@ -162,7 +163,7 @@ def copy_words(
         v = pay[j]
         save[j] = dst[j]
         dst[j] = v
-        least = min(least, ~v & emask)
+        least = min(least, ~_U32(v) & emask)
     rest = count * pay.itemsize - 8 * full
     if rest:
         m = _tail_word(w64, full, rest)
