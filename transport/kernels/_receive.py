@@ -45,6 +45,7 @@ from gradlane.transport.kernels._common import (
     keyed_row,
 )
 from gradlane.transport.kernels._pack import stats_chunk_f32
+from gradlane.transport.kernels._tagged import add_bf16 as add_bf16_tagged
 from gradlane.transport.kernels._tagged import add_f32, copy_words, tag_of, undo
 from gradlane.transport.wire.header import (
     BITMAP_KINDS,
@@ -559,6 +560,7 @@ def reduce_f32(
     ordered = order.shape[0] > 0
     one = np.float32(1.0)
     kp = key[KEY_PAYLOAD:]
+    keyed = mode == TAG_KEYED
     save = np.empty(ce, dtype=np.float32)
     # A lossy-format row's decoded values, allocated by the first row that needs them.
     lossy = np.empty(0, dtype=np.float32)
@@ -590,13 +592,29 @@ def reduce_f32(
             else:
                 undo(acc, save, count)
                 reason = _BAD_TAG
+        elif (
+            lossy_row
+            and not ordered
+            and not keyed
+            and 2 * count >= 4 * FUSE_MIN_ITEMS
+            and (row64[0] >> _U64(48)) & _U64(0xFF) == _U64(_BF16)
+            and not received[sr, chunk]
+        ):
+            # bfloat16 chunks, the same way: the tag's words are the items' pairs.
+            p1, p2 = add_bf16_tagged(a32[r, PAYLOAD_WORD:], acc, save, count)
+            if tag_of(row64, length, mode, key, p1, p2) == row64[5]:
+                reason = _OK
+                added = decoded = True
+            else:
+                undo(acc, save, count)
+                reason = _BAD_TAG
         elif fast or lossy_row:
             reason = _OK if row_tag(row64, length, mode, key) == row64[5] else _BAD_TAG
         else:
             reason, src, chunk, count = slow_verdict(a32[r], row64, length, spec, key)
             sr = src - src_lo
             lossy_row = reason == _OK  # only a lossy-format chunk passes the full check
-        if lossy_row and reason == _OK and not received[sr, chunk]:
+        if lossy_row and reason == _OK and not added and not received[sr, chunk]:
             # A lossy-format chunk: added here from its float32 values (kept apart from
             # ``pay`` so the float32 loops below keep their array types).
             off = chunk * ce

@@ -37,6 +37,7 @@ from numba import njit
 
 _U64 = np.uint64
 _U32 = np.uint32
+_LO32 = _U64(0xFFFFFFFF)
 
 
 @njit(inline="always", **EXACT)
@@ -98,6 +99,39 @@ def add_f32(
     if not keyed:
         s2 = _U64(2) * s2 + a_hi
     return s1, s2
+
+
+@njit(inline="always", **EXACT)
+def add_bf16(
+    w32: np.ndarray, acc: np.ndarray, save: np.ndarray, count: int
+) -> tuple[np.uint64, np.uint64]:
+    """``acc[:count] +=`` the float32 values of ``count`` bfloat16 items (``w32``: the payload
+    as u32 words, two items each, low half first), old values to ``save``, and the fast tag's
+    payload sums: the tag's u32 words are the items' own pairs, so the sums take each word as
+    it is loaded (``Σ w``, ``Σ j·w``; a last lone item's word is masked to it, the tag's zero
+    padding). The index is masked to 32 bits so the product is a 32 x 32-bit multiply."""
+    a = _U64(0)
+    b = _U64(0)
+    for i in range(count >> 1):
+        w = w32[i]
+        wu = _U64(w)
+        a += wu
+        b += (_U64(i) & _LO32) * wu
+        x0 = acc[2 * i]
+        x1 = acc[2 * i + 1]
+        save[2 * i] = x0
+        save[2 * i + 1] = x1
+        acc[2 * i] = x0 + _U32(w << _U32(16)).view(np.float32)
+        acc[2 * i + 1] = x1 + _U32(w & _U32(0xFFFF0000)).view(np.float32)
+    if count & 1:
+        half = count >> 1
+        w = w32[half] & _U32(0xFFFF)
+        a += _U64(w)
+        b += _U64(half) * _U64(w)
+        j = count - 1
+        save[j] = acc[j]
+        acc[j] += _U32(w << _U32(16)).view(np.float32)
+    return a, b
 
 
 @njit(inline="always", **EXACT)
