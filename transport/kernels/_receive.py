@@ -12,9 +12,12 @@ the src/chunk/count/length ranges, branch-free — and, if it matches, only the 
 A lossy-format chunk of a float32 transfer (bfloat16 or E4M3,
 :data:`~gradlane.transport.wire.header.LOSSY`) has a fast path of its own (:func:`lossy_header`:
 the same fields with its own dtype, its length at that dtype's itemsize, a valid E4M3 scale);
-such a row's tag is checked first, then it is decoded to float32 as it is added or placed. A row
-that misses both goes to the out-of-line :func:`slow_verdict`, which runs the full ordered check,
-the tag included, and names the reason (a lossy chunk it accepts is decoded like the others).
+a bfloat16 row that the reduce kernel adds (unordered, fast tag, long enough) goes through a fused
+loop like a float32 one (:func:`._tagged.add_bf16`: the tag's u32 words are the items' pairs);
+any other's tag is checked first, then it is decoded to float32 as it is added or placed (E4M3's
+four codes a word do not vectorise in one loop with the tag's sums). A row that misses both fast
+paths goes to the out-of-line :func:`slow_verdict`, which runs the full ordered check, the tag
+included, and names the reason (a lossy chunk it accepts is decoded like the others).
 A fast row of at least :data:`FUSE_MIN_ITEMS` floats'
 worth of payload, for a slot not yet filled, goes through one of :mod:`._tagged`'s fused loops,
 which read each payload word once for the tag sums and the add or copy, keeping the slot's old
