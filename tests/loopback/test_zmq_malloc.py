@@ -27,7 +27,9 @@ pytestmark = pytest.mark.timeout(120)
 GLIBC = hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
 
 ELEMS = 1 << 20  # 4 MB of float32 per rank: 2 MB received per rank and round
-ROUNDS, WARM = 12, 4
+# Enough rounds that the faults the tuning leaves (a constant: the planes' own buffers,
+# Python's) are small against those it removes (one per received page, every round).
+ROUNDS, WARM = 40, 8
 
 _CHILD = textwrap.dedent(
     """
@@ -85,11 +87,14 @@ def test_tuned_planes_stop_faulting_their_received_frames_in():
     assert tuned["tuned"] == [True, True] and plain["tuned"] == [False, False]
     # Each round every rank receives 2 MB in batch frames: 512 pages, 1024 for the two ranks.
     received_pages = (ROUNDS - WARM) * 2 * (ELEMS * 4 // 2) // 4096
-    # Untuned, libzmq's frame buffers go back to the kernel and fault in again as they are
-    # reused (the measurement is meaningful only if that happens here)...
-    assert plain["faults"] > received_pages // 2, plain
-    # ...tuned, they stay mapped: a fraction is left (the planes' own buffers, Python's).
-    assert tuned["faults"] < received_pages // 4, (tuned, plain)
+    # Untuned, many of libzmq's frame buffers go back to the kernel and fault in again as they
+    # are reused (glibc's own threshold keeps some: 23-68% of the received pages faulted in, in
+    # 8 runs beside a busy loop); the measurement is meaningful only if that happens here...
+    assert plain["faults"] > received_pages // 8, plain
+    # ...tuned, they stay mapped: what is left does not grow with the rounds (the planes' own
+    # buffers, Python's, more of them under load; at most 7% of the received pages in the same
+    # runs, and at most an eighth of the untuned faults).
+    assert tuned["faults"] < received_pages // 10, (tuned, plain)
     assert tuned["faults"] * 4 < plain["faults"], (tuned, plain)
 
 
