@@ -27,6 +27,11 @@ costs beyond it is its protocol's cost: ``summary.udp_reliable_vs_floor``, next 
 against gloo's like the reliable engines'; it has no loss recovery, so a lost datagram (5 s
 without it) fails the run.
 
+With the ZeroMQ plane comes its floor (``zmq_floor``, :mod:`gradlane.bench.perf.zmq_floor`):
+the same all-reduce over ZeroMQ sockets as the plane's (TCP on loopback) with no protocol,
+each shard as 1 MiB zero-copy frames added or copied straight from libzmq's messages:
+``summary.zmq_vs_floor`` next to ``zmq_floor_vs_gloo`` and ``zmq_vs_gloo``.
+
 The summary's maps are keyed ``"<ranks>x<MB>@<chunk bytes>"`` for the UDP engines and the
 floor (``"4x25@8972"``) and ``"<ranks>x<MB>"`` for gloo, ZeroMQ and the daemon; each row
 gives its ``chunk_bytes`` (None for those without UDP datagrams). The report's code (rows,
@@ -235,6 +240,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
     (or a daemon's client), then the timed loop."""
     import torch
     import torch.distributed as dist
+    from gradlane.bench.perf.zmq_floor import ZmqFloorPlane
     from gradlane.transport.drivers.peers import StaticPeers
     from gradlane.transport.drivers.udp.plane import InjectedLoss, UdpPlane
     from gradlane.transport.drivers.zmq.plane import ZmqPlane, zmq_config
@@ -274,6 +280,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
             f"tcp://127.0.0.{1 + p}:{_free_port(f'127.0.0.{1 + p}')}" for p in range(N_PATHS)
         ]
         store.set(f"gl/zmq/{rank}", json.dumps(zmq_eps))
+        store.set(f"gl/zmq_floor/{rank}", f"tcp://127.0.0.1:{_free_port('127.0.0.1')}")
         if args["zmq_batch_compare"]:
             zmq_eps = [
                 f"tcp://127.0.0.{1 + p}:{_free_port(f'127.0.0.{1 + p}')}" for p in range(N_PATHS)
@@ -301,6 +308,10 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: 
             closers.append(client)
             engines["daemon", None] = client.start()
         elif args["zmq"]:
+            floor_eps = [store.get(f"gl/zmq_floor/{r}").decode() for r in range(world)]
+            zfloor = ZmqFloorPlane(rank, world, floor_eps)
+            closers.append(zfloor)
+            engines["zmq_floor", None] = zfloor
             eps = [json.loads(store.get(f"gl/zmq/{r}")) for r in range(world)]
             plane = ZmqPlane(rank, world, zmq_config(n_paths=N_PATHS), eps)
             closers.append(plane)

@@ -21,7 +21,7 @@ MB = 1 << 20
 #: Every transport, in the order the table lists them.
 TRANSPORTS = (
     "gloo", "udp_floor", "udp_reliable", "udp_keyed", "udp_ordered", "udp_gso_only",
-    "udp_no_offload", "udp_bounded", "zmq", "zmq_unbatched", "daemon",
+    "udp_no_offload", "udp_bounded", "zmq_floor", "zmq", "zmq_unbatched", "daemon",
 )  # fmt: skip
 #: ``--offload-compare``: the reliable engine again with UDP GRO off, and with GSO and GRO off
 #: (the flags are ``(gso, gro)``).
@@ -35,6 +35,7 @@ SUMMARY_KEYS = {
     "udp_gso_only": "udp_gso_only_vs_gloo",
     "udp_no_offload": "udp_no_offload_vs_gloo",
     "udp_bounded": "udp_bounded_vs_gloo",
+    "zmq_floor": "zmq_floor_vs_gloo",
     "zmq": "zmq_vs_gloo",
     "zmq_unbatched": "zmq_unbatched_vs_gloo",
     "daemon": "daemon_vs_gloo",
@@ -47,6 +48,7 @@ RELATIVE = {
     "udp_ordered": ("udp_reliable", "ratio_to_unordered", "udp_ordered_vs_unordered"),
     "udp_gso_only": ("udp_reliable", "ratio_to_offload", "gso_only_vs_offload"),
     "udp_no_offload": ("udp_reliable", "ratio_to_offload", "no_offload_vs_offload"),
+    "zmq": ("zmq_floor", "ratio_to_floor", "zmq_vs_floor"),
     "zmq_unbatched": ("zmq", "ratio_to_batched", "zmq_unbatched_vs_zmq"),
 }
 #: Transports whose CPU is not in the rank processes (a daemon's is in another process).

@@ -22,20 +22,23 @@ def test_allreduce_benchmark_checks_results_and_writes_its_summary(tmp_path):
     doc = json.loads(path.read_text())
     summary = doc["summary"]
     for key, case in (("udp_reliable", "2x1@65000"), ("udp_bounded", "2x1@65000"),
-                      ("floor", "2x1@65000"), ("zmq", "2x1")):  # fmt: skip
+                      ("floor", "2x1@65000"), ("zmq", "2x1"), ("zmq_floor", "2x1")):  # fmt: skip
         assert set(summary[f"{key}_vs_gloo"]) == {case}
         assert set(summary[f"{key}_cpu_vs_gloo"]) == {case}
         assert summary[f"{key}_cpu_vs_gloo"][case] > 0
     rows = {r["transport"]: r for r in doc["rows"]}
-    assert set(rows) == {"gloo", "udp_floor", "udp_reliable", "udp_bounded", "zmq"}
+    assert set(rows) == {"gloo", "udp_floor", "udp_reliable", "udp_bounded", "zmq_floor", "zmq"}
     assert {t: r["chunk_bytes"] for t, r in rows.items()} == {
-        "gloo": None, "udp_floor": 65000, "udp_reliable": 65000, "udp_bounded": 65000, "zmq": None
+        "gloo": None, "udp_floor": 65000, "udp_reliable": 65000, "udp_bounded": 65000,
+        "zmq_floor": None, "zmq": None,
     }  # fmt: skip
-    for t in ("udp_floor", "udp_reliable", "zmq"):  # reliable: equal to gloo's sum on every rank
+    # Reliable: equal to gloo's sum on every rank.
+    for t in ("udp_floor", "udp_reliable", "zmq_floor", "zmq"):
         assert rows[t]["check"]["ok_all_ranks"]
         assert rows[t]["check"]["delivered_fraction_min_rank"] == 1.0
     ratio = summary["udp_reliable_vs_floor"]
     assert ratio == {"2x1@65000": rows["udp_reliable"]["ratio_to_floor"]} and ratio["2x1@65000"] > 0
+    assert summary["zmq_vs_floor"] == {"2x1": rows["zmq"]["ratio_to_floor"]}
     assert all(r["reps"] == 2 and r["cpu_median_s"] > 0 for r in rows.values())
     # The split into user and system time divides the same measurement as the total: with
     # two repetitions a median is their mean, so the parts' medians add up to the total's.
