@@ -36,7 +36,7 @@ ABOUT: dict[str, tuple[str, str, str]] = {
         "loopback: gradlane's reliable hook against gloo's, a protocol-free UDP hook, a no-op."),
     "allreduce": ("Loopback all-reduce against gloo", "perf.allreduce", "One process per rank: "
         "gloo against gradlane UDP (reliable, bounded), the protocol-free UDP floor "
-        "(per datagram size) and ZeroMQ; CPU of all ranks."),
+        "(per datagram size), ZeroMQ and its protocol-free floor; CPU of all ranks."),
     "allreduce_daemon": ("Daemon mode against the embedded plane", "perf.allreduce", "4 ranks as "
         "2 hosts of 2, each host's through one `gradlane daemon`, against the embedded plane."),
     "allreduce_offload": ("UDP GSO and GRO with MTU-sized datagrams", "perf.allreduce", "The UDP "
