@@ -49,7 +49,13 @@ class _FloorReport:
 class ZmqFloorPlane:
     """One rank of the floor behind the calls the all-reduce benchmark makes of a plane
     (``submit``, ``drain``, ``close``): ``endpoints[r]`` is where rank ``r`` binds its PULL
-    socket. ``submit`` runs the exchange on the caller's thread and returns a done Future."""
+    socket. ``submit`` runs the exchange on the caller's thread and returns a done Future.
+
+    Frames are sent zero-copy, with no protocol to say when a peer has them: when ``submit``
+    returns, this rank's reduced shard may still be queued in libzmq (pyzmq keeps the buffer
+    alive), so the caller must not write to the buffer afterwards. The benchmark gives every
+    repetition a fresh copy; a transport could not work this way, which is part of why this
+    is a floor."""
 
     def __init__(self, rank: int, world: int, endpoints: list[str], hwm: int = 1024) -> None:
         self.rank, self.world = rank, world
