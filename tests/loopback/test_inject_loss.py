@@ -148,8 +148,12 @@ def test_in_place_keyed_collectives_under_loss_never_resend_overwritten_data():
                 np.testing.assert_allclose(res, expect, rtol=1e-5, atol=1e-5)
         for e in engines:  # late resends (the senders' timers) land before the counters are read
             e.drain()
-        rejected = [e.stats()["rejected"] for e in engines]
+        stats = [e.stats() for e in engines]
+        rejected = [s["rejected"] for s in stats]
     finally:
         for e in engines:
             e.close()
-    assert all(rej.get("bad_tag", 0) == 0 for rej in rejected), rejected
+    # A failure names the packets: what each rejected one claimed to be (kind, phase, step,
+    # shard, sender, chunk, flags) and when.
+    recent = [s["rejected_recent"] for s in stats]
+    assert all(rej.get("bad_tag", 0) == 0 for rej in rejected), (rejected, recent)

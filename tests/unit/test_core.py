@@ -94,6 +94,9 @@ def test_duplicates_and_garbage_never_double_count():
     assert sum(s.get("duplicate", 0) for s in stats) > 0
     assert sum(sum(v for k, v in s.items() if k != "duplicate") for s in stats) > 0
     assert stats[0].get("bad_tag", 0) >= 1
+    recent = eps[0].endpoint.stats()["rejected_recent"]
+    assert any(e["reason"] == "bad_tag" for e in recent)
+    assert all(e["reason"] != "duplicate" for e in recent)
 
 
 def test_foreign_job_and_secret_rejected():
@@ -114,8 +117,15 @@ def test_foreign_job_and_secret_rejected():
     wire.inject(0, other_job)
     out = run_allreduce(eps, datas, wire)
     np.testing.assert_array_equal(out[0].result, np.full(n, 3.0, np.float32))
-    rej = eps[0].endpoint.stats()["rejected"]
+    stats = eps[0].endpoint.stats()
+    rej = stats["rejected"]
     assert rej.get("bad_tag", 0) >= 1 and rej.get("foreign_job", 0) == 1
+    # Which packet the forgery was: what it claimed, as it arrived (a foreign job's packets
+    # fail the framing checks, which only count them).
+    (e,) = stats["rejected_recent"]
+    assert e["reason"] == "bad_tag"
+    assert (e["kind"], e["step"], e["bucket"], e["shard"], e["src"]) == (Kind.DATA, 1, 0, 0, 1)
+    assert e["chunk"] == 0 and e["count"] == 64 and e["length"] == 48 + 64 * 4
 
 
 def test_peer_starting_late_is_buffered():

@@ -292,6 +292,8 @@ class Endpoint:
             "early_expired": self.receiver.early_expired,
             "early_control_dropped": self.receiver.early_control_dropped,
             "burst_cuts": self.sender.burst_cuts,
+            # The newest rejected packets (duplicates aside) and what they claimed to be.
+            "rejected_recent": list(self.receiver.rejected_recent),
         }
 
     # -- internals ---------------------------------------------------------------------------
@@ -399,6 +401,7 @@ class Endpoint:
         if not good.all():
             bad = why[~good]
             self.counters += np.bincount(bad, minlength=N_REASONS)[:N_REASONS]
+            self.receiver.note_rejected(arena, lengths, crow, why, paths, now)
             crow = crow[good]
         for i, n_i, path in zip(
             crow.tolist(), lengths[crow].tolist(), paths[crow].tolist(), strict=True
@@ -467,6 +470,7 @@ class Endpoint:
             held = grp
             if bad.any():
                 self.counters += np.bincount(why[bad], minlength=N_REASONS)[:N_REASONS]
+                self.receiver.note_rejected(arena, lengths, grp, why, paths, now)
                 held = grp[~bad]
             if held.size:
                 pinned |= self.receiver.on_unknown_data(

@@ -46,6 +46,7 @@ counted; what is held expires after ``linger_s``, by the receiver's timer, colle
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -63,6 +64,7 @@ from gradlane.transport.core.incoming import HeldRows, InKey, InTransfer
 from gradlane.transport.errors import PeerTimeout
 from gradlane.transport.kernels.batch import note_arrivals, pass_end_gaps
 from gradlane.transport.wire.header import (
+    HEADER_SIZE,
     N_REASONS,
     Flags,
     Kind,
@@ -73,9 +75,14 @@ from gradlane.transport.wire.header import (
     header_fields,
 )
 
-__all__ = ["CONTROL_OVERHEAD", "CONTROL_SHARE", "ReceiverCore"]
+__all__ = ["CONTROL_OVERHEAD", "CONTROL_SHARE", "REJECTS_KEPT", "ReceiverCore"]
 
 log = logging.getLogger(__name__)
+
+#: Rejected packets whose headers :attr:`ReceiverCore.rejected_recent` keeps (the newest).
+REJECTS_KEPT = 16
+_OK = int(Reason.OK)
+_DUPLICATE = int(Reason.DUPLICATE)
 
 #: Held early MANIFEST/FIN take at most ``early_buffer_bytes // CONTROL_SHARE``: a sender's
 #: own are a few small bitmaps per transfer; a flood of forged ones leaves the rest to data.
@@ -127,6 +134,9 @@ class ReceiverCore:
         self.early_expired = 0
         self.early_control_dropped = 0
         self.counters = np.zeros(N_REASONS, dtype=np.int64)
+        # The newest rejected packets (duplicates aside), what each claimed to be: the counters
+        # say how many, these say which (a forgery, or bytes changed under their tag).
+        self.rejected_recent: deque[dict[str, object]] = deque(maxlen=REJECTS_KEPT)
         self.late = 0
         self.early_dropped = 0
         self._out: list[Datagram] = []
@@ -213,6 +223,8 @@ class ReceiverCore:
                 nonfinite=t.nonfinite if t.gather else None, order=t.order,
             )  # fmt: skip
         kernels.receive_batch(plan, arena, lengths, rows, verdicts)  # the core's own arrays
+        if verdicts.any():  # rare: anything but OK (duplicates are left out below)
+            self.note_rejected(arena, lengths, rows, verdicts, paths, now)
         # The ACK state follows the judged rows (see
         # gradlane.transport.kernels.batch.note_arrivals).
         n_ok, n_dup, nbytes, n_end = note_arrivals(
@@ -250,6 +262,38 @@ class ReceiverCore:
             self._refresh_check(t)
         if t.fin.any():
             self._check(t, now)
+
+    def note_rejected(
+        self,
+        arena: np.ndarray,
+        lengths: np.ndarray,
+        rows: np.ndarray,
+        why: np.ndarray,
+        paths: np.ndarray,
+        now: float,
+    ) -> None:
+        """Keep what the rejected ``rows`` of ``arena`` (reason ``why`` each, duplicates left
+        out) claimed to be in :attr:`rejected_recent`: their header fields as they arrived
+        (unauthenticated, so possibly forged), the path and the time. Rows that fail the
+        framing checks (truncated, magic, version, kind, another job) are only counted."""
+        bad = np.flatnonzero((why != _OK) & (why != _DUPLICATE))
+        for i in bad[-REJECTS_KEPT:].tolist():
+            r = int(rows[i])
+            n = int(lengths[r])
+            entry: dict[str, object] = {
+                "reason": Reason(int(why[i])).name.lower(),
+                "path": int(paths[r]),
+                "length": n,
+                "at": now,
+            }
+            if n >= HEADER_SIZE:
+                h = header_fields(arena[r])
+                entry.update(
+                    kind=int(h.kind), phase=int(h.phase), dtype=int(h.dtype), step=int(h.step),
+                    bucket=int(h.bucket), shard=int(h.shard), src=int(h.src),
+                    chunk=int(h.chunk), count=int(h.count), flags=int(h.flags),
+                )  # fmt: skip
+            self.rejected_recent.append(entry)
 
     def on_control(
         self,
