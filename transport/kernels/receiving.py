@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 from gradlane.transport.kernels import _receive as _rx
+from gradlane.transport.kernels import _verdict as _vd
 from gradlane.transport.kernels._checks import (
     _NO_U8,
     _NO_U16,
@@ -51,25 +52,25 @@ def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.
             "0 <= src_lo < src_hi <= 65536"
         )
     mode, key = _key_parts(session.key)
-    spec = np.zeros(_rx.SPEC_LEN, dtype=np.int64)
-    spec[_rx.S_JOB] = session.job
-    spec[_rx.S_ME] = session.me
-    spec[_rx.S_WORLD] = session.world
-    spec[_rx.S_STEP_LO] = session.step_lo
-    spec[_rx.S_STEP_HI] = session.step_hi
-    spec[_rx.S_N_BUCKETS] = session.n_buckets
-    spec[_rx.S_MAX_DATAGRAM] = session.max_datagram
-    spec[_rx.S_MODE] = mode
-    spec[_rx.S_T_STEP] = transfer.step
-    spec[_rx.S_T_BUCKET] = transfer.bucket
-    spec[_rx.S_T_SHARD] = transfer.shard
-    spec[_rx.S_T_PHASE] = transfer.phase
-    spec[_rx.S_T_DTYPE] = transfer.dtype
-    spec[_rx.S_T_N_ELEMS] = transfer.n_elems
-    spec[_rx.S_T_CHUNK_ELEMS] = transfer.chunk_elems
-    spec[_rx.S_T_SRC_LO] = transfer.src_lo
-    spec[_rx.S_T_SRC_HI] = transfer.src_hi
-    spec[_rx.S_T_N_CHUNKS] = transfer.n_chunks
+    spec = np.zeros(_vd.SPEC_LEN, dtype=np.int64)
+    spec[_vd.S_JOB] = session.job
+    spec[_vd.S_ME] = session.me
+    spec[_vd.S_WORLD] = session.world
+    spec[_vd.S_STEP_LO] = session.step_lo
+    spec[_vd.S_STEP_HI] = session.step_hi
+    spec[_vd.S_N_BUCKETS] = session.n_buckets
+    spec[_vd.S_MAX_DATAGRAM] = session.max_datagram
+    spec[_vd.S_MODE] = mode
+    spec[_vd.S_T_STEP] = transfer.step
+    spec[_vd.S_T_BUCKET] = transfer.bucket
+    spec[_vd.S_T_SHARD] = transfer.shard
+    spec[_vd.S_T_PHASE] = transfer.phase
+    spec[_vd.S_T_DTYPE] = transfer.dtype
+    spec[_vd.S_T_N_ELEMS] = transfer.n_elems
+    spec[_vd.S_T_CHUNK_ELEMS] = transfer.chunk_elems
+    spec[_vd.S_T_SRC_LO] = transfer.src_lo
+    spec[_vd.S_T_SRC_HI] = transfer.src_hi
+    spec[_vd.S_T_N_CHUNKS] = transfer.n_chunks
     spec.flags.writeable = False
     return spec, key
 
@@ -154,7 +155,7 @@ def session_checks(
     lens = _readonly(np.ascontiguousarray(lengths, dtype=np.int64))
     idx = _readonly(np.ascontiguousarray(rows, dtype=np.int64))
     out = np.empty(idx.shape[0], dtype=np.int64)
-    _rx.session_verdicts(rows_a, lens, idx, spec, _key_parts(session.key)[1], out)
+    _vd.session_verdicts(rows_a, lens, idx, spec, _key_parts(session.key)[1], out)
     return out
 
 
@@ -162,7 +163,7 @@ def session_checks(
 def _session_spec(session: SessionSpec) -> np.ndarray:
     """The receive kernels' spec of ``session`` with a transfer no packet names."""
     spec = _spec(session, TransferSpec(0, 0, 0, 0, DType.F32, 0, 1, 0, 1))[0].copy()
-    spec[_rx.S_T_STEP] = -1
+    spec[_vd.S_T_STEP] = -1
     spec.flags.writeable = False
     return spec
 
