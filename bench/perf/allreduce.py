@@ -104,12 +104,12 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from gradlane.bench.host import HostWatch
 from gradlane.bench.perf.allreduce_report import OFFLOAD_VARIANTS, summarize, table
+from gradlane.bench.perf.zmq_floor import FloorReport
 
 MB = 1 << 20
 #: ``--keyed-compare``: the job secret of the keyed engine (the same on every rank).
@@ -153,15 +153,6 @@ def _udp_config(
             on_hard_deadline="raise" if loss_bound == 0 else "degrade",
         ),
     )
-
-
-@dataclass(frozen=True)
-class _FloorReport:
-    """What the floor's result reports in place of a ``CollectiveReport``: it either has every
-    datagram or fails."""
-
-    delivered_fraction: float = 1.0
-    degraded: bool = False
 
 
 class _FloorPlane:
@@ -214,7 +205,7 @@ class _FloorPlane:
                 "buffers overflow (a loaded machine): run again on a quieter one"
             )
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        fut.set_result((buf, _FloorReport()))
+        fut.set_result((buf, FloorReport()))
         return fut
 
     @property

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-__all__ = ["FRAME_FLOATS", "ZmqFloorPlane"]
+__all__ = ["FRAME_FLOATS", "FloorReport", "ZmqFloorPlane"]
 
 #: Floats per frame: 1 MiB, the ZeroMQ plane's batch frames' size.
 FRAME_FLOATS = 1 << 18
@@ -38,9 +38,10 @@ _HEADER = struct.Struct("<IIIQ")
 TIMEOUT_S = 30.0
 
 
-@dataclass
-class _FloorReport:
-    """What the floor's result reports in place of a ``CollectiveReport``."""
+@dataclass(frozen=True)
+class FloorReport:
+    """What a floor's result reports in place of a ``CollectiveReport``: it either has every
+    datagram or frame, or fails (this floor's and ``bench.perf.allreduce``'s UDP floor's)."""
 
     delivered_fraction: float = 1.0
     degraded: bool = False
@@ -85,7 +86,7 @@ class ZmqFloorPlane:
             buf[:] = data
         self._exchange(buf, step & 0xFFFFFFFF)
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        fut.set_result((buf, _FloorReport()))
+        fut.set_result((buf, FloorReport()))
         return fut
 
     def _send(

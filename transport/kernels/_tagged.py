@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 from gradlane.transport.kernels._common import (
+    _LO32,
     EXACT,
     fast_row_finish,
     fast_word,
@@ -37,7 +38,6 @@ from numba import njit
 
 _U64 = np.uint64
 _U32 = np.uint32
-_LO32 = _U64(0xFFFFFFFF)
 
 
 @njit(inline="always", **EXACT)
