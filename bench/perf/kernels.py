@@ -15,7 +15,7 @@ The lossy wire formats' rows come with their *floors*, measured in the same run:
 kernel doing the job could cost here. ``pack_*_floor`` reads the float32 input and writes a
 payload of the format's width (each element's top bits, no rounding), and with error feedback a
 float32 residual per element too, with no tag, energy or header; ``reduce_*_floor`` decodes one
-contiguous payload and adds it, with no tag or header per row (``reduce_bf16_tagged_floor``: the
+contiguous payload and adds it, with no tag or header per row (``reduce_*_tagged_floor``: the
 same with the tag's sums, which every receive must compute). A kernel's ratio can only
 approach its floor's, so a target above the floor cannot be met on this machine.
 """
