@@ -52,6 +52,7 @@ from gradlane.scheduling._kernels.paths import (
     borrowed_rtos,
     lossy_paths,
     probe_due,
+    release_where,
     sent_update,
     tick_due,
     tick_update,
@@ -429,6 +430,19 @@ class PathSet:
         for slow delivery in the rate estimate (see the theory of operation).
         """
         self._outstanding = np.maximum(self._outstanding - self._per_path(path, sizes), 0.0)
+
+    def on_released_where(
+        self, state: np.ndarray, value: int, path: np.ndarray, sizes: np.ndarray
+    ) -> None:
+        """:meth:`on_released` for the packets whose ``state`` is ``value`` (1-D arrays of one
+        entry per packet): a sender retiring a transfer releases what it still has in flight
+        without building the selection (one compiled pass)."""
+        if not state.shape == path.shape == sizes.shape or state.ndim != 1:
+            raise ValueError(
+                f"state {state.shape}, path {path.shape} and sizes {sizes.shape} must be 1-D, equal"
+            )
+        if release_where(self._outstanding, state, value, path, sizes) < 0:
+            raise ValueError(f"path indices must be in [0, {self.n_paths}) and sizes >= 0")
 
     def tick(self, now: float) -> list[int]:
         """Move silent paths UP → SUSPECT → DOWN; returns the paths that went DOWN just now.

@@ -29,6 +29,7 @@ __all__ = [
     "assign_plan",
     "assign_spread",
     "probe_due",
+    "release_where",
     "sent_update",
     "tick_due",
     "tick_update",
@@ -643,3 +644,24 @@ def borrowed_rtos(
     for p in range(n):
         out[p] = max(out[p], minimum)
     return out
+
+
+@njit(cache=True, nogil=True)
+def release_where(
+    outstanding: np.ndarray, state: np.ndarray, value: int, path: np.ndarray, sizes: np.ndarray
+) -> int:
+    """``PathSet.on_released(path[state == value], sizes[state == value])`` in one pass: the
+    packets' bytes summed per path in packet order (``np.bincount``'s sums), then taken out of
+    ``outstanding`` (in place), never below 0. Returns 0, or -1 for a path index out of range
+    or a negative size (``outstanding`` is then left as it was)."""
+    n_paths = outstanding.shape[0]
+    per = np.zeros(n_paths)
+    for i in range(state.shape[0]):
+        if state[i] == value:
+            q = path[i]
+            if q < 0 or q >= n_paths or sizes[i] < 0:
+                return -1
+            per[q] += sizes[i]
+    for q in range(n_paths):
+        outstanding[q] = max(outstanding[q] - per[q], 0.0)
+    return 0

@@ -531,6 +531,39 @@ def test_released_and_written_off_bytes_leave_outstanding_once() -> None:
         ps.on_released(np.array([2]), np.array([1.0]))
 
 
+@settings(derandomize=True, deadline=None, max_examples=150)
+@given(
+    n=st.integers(0, 40),
+    n_paths=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_release_where_equals_release_of_the_selection(n: int, n_paths: int, seed: int) -> None:
+    """on_released_where(state, v, path, sizes) takes out exactly what on_released of the
+    packets whose state is v does (the same per-path sums, clamped at 0); bad paths raise and
+    change nothing."""
+    rng = np.random.default_rng(seed)
+    state = rng.integers(0, 4, n).astype(np.uint8)
+    path = rng.integers(0, n_paths, n).astype(np.int16)
+    sizes = rng.integers(0, 65536, n).astype(np.int32)
+    a = PathSet(n_paths, PathConfig(), np.random.default_rng(0))
+    b = PathSet(n_paths, PathConfig(), np.random.default_rng(0))
+    sent_path = rng.integers(0, n_paths, 3 * n + 1)
+    sent = rng.integers(0, 65536, 3 * n + 1).astype(np.float64)
+    for ps in (a, b):
+        ps.on_sent(sent_path, sent, 0.0)
+    a.on_released_where(state, 1, path, sizes)
+    sel = state == 1
+    b.on_released(path[sel].astype(np.int64), sizes[sel])
+    np.testing.assert_array_equal(a.outstanding, b.outstanding)
+    if n:
+        bad = path.copy()
+        bad[rng.integers(0, n)] = n_paths
+        state[:] = 1
+        with pytest.raises(ValueError):
+            a.on_released_where(state, 1, bad, sizes)
+        np.testing.assert_array_equal(a.outstanding, b.outstanding)
+
+
 _PATH = st.tuples(
     st.sampled_from([PathState.UP, PathState.UP, PathState.SUSPECT, PathState.DOWN]),
     st.sampled_from([0.0, 0.0, 1.0, 999.5, 8192.0, 5e4, 3e6]),  # outstanding

@@ -172,6 +172,51 @@ def test_nan_norm_is_protected() -> None:
     assert np.flatnonzero(got.protected).tolist() == [1]
 
 
+def _layer_magnitude_reference(
+    pol: PriorityPolicy, norms: np.ndarray, position: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """layer+magnitude in numpy: the policy's _extreme_masks, then the class assignment."""
+    arr = np.asarray(norms)
+    arr = np.where(np.isnan(arr), np.inf, arr) if arr.dtype.kind == "f" else arr
+    _, protected, droppable = pol._extreme_masks(arr)
+    lo, hi = pol._middle_band()
+    prio = np.full(arr.shape[0], min(hi, lo + int(position * (hi - lo + 1))), dtype=np.uint8)
+    prio[protected] = 0
+    prio[droppable] = pol.config.n_classes - 1
+    return prio, protected, droppable
+
+
+@DETERMINISTIC
+@given(
+    norms=hnp.arrays(
+        st.sampled_from([np.float32, np.float64]),
+        st.integers(0, 120),
+        elements=st.sampled_from([0.0, -0.0, 0.5, 1.0, 3.0, 1e-30, 7.5, np.inf, np.nan]),
+    ),
+    position=st.floats(0.0, 1.0),
+    n_classes=st.integers(2, 8),
+    fractions=st.sampled_from(
+        [(0.0, 0.0), (0.1, 0.25), (0.3, 0.6), (0.5, 0.5), (1.0, 0.0), (0.0, 1.0)]
+    ),
+)
+def test_layer_magnitude_kernel_equals_numpy_reference(
+    norms: np.ndarray, position: float, n_classes: int, fractions: tuple[float, float]
+) -> None:
+    """The compiled classification (scheduling._kernels.priority) gives exactly the numpy
+    formulation's classes and flags: ties by chunk index, NaN and inf ranked largest."""
+    dscp = tuple(range(n_classes))
+    pol = policy(
+        n_classes=n_classes, dscp=dscp, protected_fraction=fractions[0],
+        droppable_fraction=fractions[1],
+    )  # fmt: skip
+    got = pol.classify(norms=norms, layer_position=position)
+    prio, protected, droppable = _layer_magnitude_reference(pol, norms, position)
+    assert got.prio.dtype == np.uint8 and got.protected.dtype == got.droppable.dtype == bool
+    assert got.prio.tolist() == prio.tolist()
+    assert got.protected.tolist() == protected.tolist()
+    assert got.droppable.tolist() == droppable.tolist()
+
+
 BUILTIN = ("flat", "layer", "layer+magnitude", "magnitude")
 
 

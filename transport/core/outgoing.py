@@ -35,6 +35,7 @@ the LOST ones. What to send when, and the loss detection, are
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -52,7 +53,6 @@ from gradlane.transport.wire.header import (
     ITEMSIZE,
     DType,
     Flags,
-    Header,
     Kind,
     Phase,
     chunk_counts,
@@ -76,6 +76,15 @@ _PROTECTED = np.uint8(Flags.PROTECTED)
 _DROPPABLE = np.uint8(Flags.DROPPABLE)
 _LAST = np.uint8(Flags.LAST)
 _PASS_END = np.uint8(Flags.PASS_END)
+
+
+@lru_cache(maxsize=8)
+def _lane_templates(n_lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A new transfer's per-lane RACK state (no sequence acknowledged, never): copied, which
+    costs less than filling afresh."""
+    seq, at = np.full(n_lanes, -1, dtype=np.int64), np.full(n_lanes, np.inf)
+    seq.flags.writeable = at.flags.writeable = False
+    return seq, at
 
 
 class OutKey(NamedTuple):
@@ -172,22 +181,12 @@ class OutTransfer:
         if encoded is None and residual is not None:
             residual[:] = 0.0  # sent as it is: nothing for the next step to make up
         self.encoded = encoded
-        self.lengths = np.zeros(max(n, 1), dtype=np.int32)
         self.hdr = np.empty((n, HEADER_SIZE), dtype=np.uint8)
-        words = kernels.header_words(
-            Header(
-                kind=Kind.DATA,
-                phase=key.phase,
-                dtype=dtype,
-                job=cfg.job,
-                step=key.step,
-                bucket=key.bucket,
-                shard=key.shard,
-                src=me,
-                dst=key.dst,
-            )
+        words = kernels.fields_words(
+            Kind.DATA, key.phase, dtype, cfg.job, key.step, key.bucket, key.shard, me, key.dst
         )
         if encoded is not None:
+            self.lengths = np.zeros(max(n, 1), dtype=np.int32)
             self.lengths[:n] = encoded.lengths
             fill_headers_as(
                 self.hdr, encoded, stats.norms, n_elems=self.n_elems,
@@ -195,7 +194,8 @@ class OutTransfer:
                 flags=flags,
             )  # fmt: skip
         elif n:
-            self.lengths[:n] = HEADER_SIZE + self.counts * ITEMSIZE[dtype]  # datagram lengths
+            # Datagram lengths, one allocation.
+            self.lengths = (self.counts * ITEMSIZE[dtype] + HEADER_SIZE).astype(np.int32)
             # The checked words, then the kernel without write_headers' argument checks: every
             # array here is this transfer's own, of the shapes checked above.
             kernels.fill_headers(
@@ -210,6 +210,8 @@ class OutTransfer:
                 prio=self.prio,
                 flags=flags,
             )
+        else:
+            self.lengths = np.zeros(1, dtype=np.int32)
         # Flat memoryviews of the headers and payload: what a DatagramRun points into.
         self.hdr_view = self.hdr.reshape(-1).data
         self.chunk_bytes = self.chunk_elems * ITEMSIZE[dtype]
@@ -231,8 +233,9 @@ class OutTransfer:
         self.tx_seq = np.zeros(n, dtype=np.int64)
         self.next_tx_seq = 0
         n_lanes = cfg.n_paths * cfg.priority.n_classes
-        self.lane_seq = np.full(n_lanes, -1, dtype=np.int64)
-        self.lane_at = np.full(n_lanes, np.inf)
+        seq0, at0 = _lane_templates(n_lanes)
+        self.lane_seq = seq0.copy()
+        self.lane_at = at0.copy()
         self.path = np.zeros(n, dtype=np.int16)
         self.tx = np.zeros(n, dtype=np.uint8)
         self.cursor = 0

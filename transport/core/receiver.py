@@ -727,8 +727,12 @@ class ReceiverCore:
     def _complete(self, t: InTransfer, now: float, degraded: bool, clean: bool = True) -> None:
         if t.plan is not None and t.order is not None:
             kernels.flush_order(t.plan)  # contributions a missing sender kept waiting
-        missing = t.missing_elems()
         n = t.spec.n_elems
+        if t.got >= t.expected:  # every chunk of every sender came: nothing to count
+            missing, protected_missing = dict.fromkeys(t.senders, 0), 0
+        else:
+            missing = t.missing_elems()
+            protected_missing = int(((t.received[t.rows] == 0) & t.protected[t.rows]).sum())
         report = LossReport(
             step=t.key.step,
             bucket=t.key.bucket,
@@ -742,7 +746,7 @@ class ReceiverCore:
             bytes_received=t.bytes_received,
             duplicates=t.duplicates,
             rejected=t.rejected,
-            protected_missing=int(((t.received[t.rows] == 0) & t.protected[t.rows]).sum()),
+            protected_missing=protected_missing,
             nonfinite_chunks=int(np.count_nonzero(t.nonfinite)),
         )
         # The deadline learns how long a transfer's data takes to arrive on its own. A transfer

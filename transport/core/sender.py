@@ -729,7 +729,7 @@ class SenderCore(LossHandling):
     def _retire(self, t: OutTransfer) -> None:
         """The transfer is over (acknowledged, stopped, or past its deadline): free it."""
         if t.n_inflight:
-            self._release(t, (t.state == INFLIGHT).nonzero()[0])
+            self.paths[t.key.dst].on_released_where(t.state, INFLIGHT, t.path, t.lengths)
         t.done = True
         t.return_buffer(self._spares)
         self.transfers.pop(t.key, None)

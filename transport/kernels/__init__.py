@@ -51,6 +51,7 @@ from gradlane.transport.kernels.receiving import (
 from gradlane.transport.kernels.sending import (
     ChunkStats,
     chunk_stats,
+    fields_words,
     fill_headers,
     header_words,
     pack,
@@ -68,6 +69,7 @@ __all__ = [
     "apply_ack",
     "chunk_stats",
     "copy_bytes",
+    "fields_words",
     "fill_headers",
     "flush_order",
     "hadamard_forward",

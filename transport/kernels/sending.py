@@ -56,20 +56,35 @@ def header_words(header: Header) -> np.ndarray:
 def _words_of(header: Header, dtype: int) -> np.ndarray:
     """:func:`header_words` of ``header`` with its dtype replaced by ``dtype``."""
     h = header
-    t = np.zeros(6, dtype=np.uint32)
-    t[0] = MAGIC_VERSION_WORD | (_in_range("header.kind", h.kind, _U8_MAX) << 24)
-    t[1] = (_in_range("header.dtype", dtype, _U8_MAX) << 16) | (
-        _in_range("header.phase", h.phase, _U8_MAX) << 24
+    return fields_words(h.kind, h.phase, dtype, h.job, h.step, h.bucket, h.shard, h.src, h.dst)
+
+
+def fields_words(
+    kind: int,
+    phase: int,
+    dtype: int,
+    job: int,
+    step: int,
+    bucket: int,
+    shard: int,
+    src: int,
+    dst: int,
+) -> np.ndarray:
+    """:func:`header_words` from the fields themselves (a sender starting a transfer has them
+    as numbers: no :class:`Header` to build), each checked against its width."""
+    return np.array(
+        (
+            MAGIC_VERSION_WORD | (_in_range("header.kind", kind, _U8_MAX) << 24),
+            (_in_range("header.dtype", dtype, _U8_MAX) << 16)
+            | (_in_range("header.phase", phase, _U8_MAX) << 24),
+            _in_range("header.job", job, _U32_MAX),
+            _in_range("header.step", step, _U32_MAX),
+            _in_range("header.bucket", bucket, _U16_MAX)
+            | (_in_range("header.shard", shard, _U16_MAX) << 16),
+            _in_range("header.src", src, _U16_MAX) | (_in_range("header.dst", dst, _U16_MAX) << 16),
+        ),
+        dtype=np.uint32,
     )
-    t[2] = _in_range("header.job", h.job, _U32_MAX)
-    t[3] = _in_range("header.step", h.step, _U32_MAX)
-    t[4] = _in_range("header.bucket", h.bucket, _U16_MAX) | (
-        _in_range("header.shard", h.shard, _U16_MAX) << 16
-    )
-    t[5] = _in_range("header.src", h.src, _U16_MAX) | (
-        _in_range("header.dst", h.dst, _U16_MAX) << 16
-    )
-    return t
 
 
 class ChunkStats(NamedTuple):
