@@ -222,8 +222,9 @@ class ReceiverCore:
                 place=t.gather, stats=t.stats, final=t.final, scale=t.scale,
                 nonfinite=t.nonfinite if t.gather else None, order=t.order,
             )  # fmt: skip
-        kernels.receive_batch(plan, arena, lengths, rows, verdicts)  # the core's own arrays
-        if verdicts.any():  # rare: anything but OK (duplicates are left out below)
+        accepted = kernels.receive_batch(plan, arena, lengths, rows, verdicts)  # our own arrays
+        # Rare: anything but OK (duplicates are left out there).
+        if accepted < rows.shape[0] and verdicts.any():
             self.note_rejected(arena, lengths, rows, verdicts, paths, now)
         # The ACK state follows the judged rows (see
         # gradlane.transport.kernels.batch.note_arrivals).
