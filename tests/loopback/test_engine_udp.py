@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -354,6 +355,30 @@ def test_garbage_and_forged_datagrams_are_counted_not_harmful(cluster: MakeClust
     assert rejected.get("truncated", 0) >= 4  # 1, 7, 47 bytes and the empty-payload header
     # Longer than a receive slot (65000-byte chunks): truncated by the socket, counted as such.
     assert rejected.get("oversized", 0) - before["rejected"].get("oversized", 0) >= 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("coalesce_s", [0.0, 0.002])
+def test_coalesced_input_waits_for_its_window_without_a_pass_per_wakeup(
+    cluster: MakeCluster, coalesce_s: float
+):
+    """With rx_coalesce_s, a socket wakeup that only reads datagrams (their window still
+    open, nothing processed since the last pass, nothing else due) runs no service pass: the
+    timer at the window's end does. Results stay exact; without coalescing every wakeup
+    serves."""
+    cfg = replace(CFG, rx_coalesce_s=coalesce_s, chunk_bytes=8192)
+    engines = cluster(3, cfg)
+    rng = np.random.default_rng(5)
+    for step in range(1, 6):
+        data = [rng.standard_normal(300_001).astype(np.float32) for _ in engines]
+        for res, rep in allreduce(engines, step, [d.copy() for d in data]):
+            np.testing.assert_allclose(res, sum(data), rtol=1e-5, atol=1e-5)
+            assert not rep.degraded
+    held = [e.stats()["loop"]["held_wakeups"] for e in engines]
+    if coalesce_s:
+        assert sum(held) > 0, held
+    else:
+        assert held == [0, 0, 0]
 
 
 # -- failures --------------------------------------------------------------------------------------

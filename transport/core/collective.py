@@ -436,6 +436,16 @@ class TransposeAllReduce:
         self._pump(now, flush=process_input)
         return self.endpoint.datagrams_to_send(now, process_input=process_input)
 
+    @property
+    def batches(self) -> int:
+        """Received batches processed so far (see :attr:`Endpoint.batches`)."""
+        return self.endpoint.batches
+
+    def input_held(self, now: float) -> bool:
+        """Received datagrams wait out their coalescing window (see
+        :meth:`Endpoint.input_held`)."""
+        return self.endpoint.input_held(now)
+
     def get_timer(self) -> float | None:
         """Next time ``handle_timer`` must run (at once while an ACK wait has not started)."""
         when = self.endpoint.get_timer()

@@ -129,6 +129,9 @@ class Endpoint:
         self._pins: list[tuple[int, weakref.ref[np.ndarray]]] = []
         self._batch_key = np.zeros(4, dtype=np.int64)  # frame_rows' key of a batch's DATA
         self._rx_first = 0.0
+        # Batches processed so far: a driver that saw this count at the end of its last pass
+        # and sees it unchanged knows that no answer (ACK, event) waits for a pass.
+        self.batches = 0
         self._drained_at: float | None = None  # a drain noted before its batch was processed
         self._now = 0.0
         self._control: list[Datagram] = []
@@ -227,6 +230,17 @@ class Endpoint:
             self._control = []
         out.extend(self.sender.datagrams_to_send(now))
         return out
+
+    def input_held(self, now: float) -> bool:
+        """True while the datagrams received last wait out ``rx_coalesce_s``: a batch is open
+        and its window has not passed, so it is processed at :meth:`get_timer`, not before. A
+        driver that just read datagrams then needs no pass until that timer, unless a batch
+        was processed meanwhile (:attr:`batches` moved: its answers wait for a pass)."""
+        return (
+            self.config.rx_coalesce_s > 0
+            and self._rx_n > self._rx_base
+            and now < self._rx_first + self.config.rx_coalesce_s
+        )
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must run next (now, if received datagrams await processing)."""
@@ -349,6 +363,7 @@ class Endpoint:
         if e == b:
             return
         self._rx_n = b  # a flush nested in this one finds nothing to do
+        self.batches += 1
         arena = self._rx[b:e]
         # Early data may stay in place only if the rows above this batch leave room for the
         # next ones; otherwise the receiver copies it out of the arena.
