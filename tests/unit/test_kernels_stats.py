@@ -113,3 +113,44 @@ def test_reduce_statistics_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="C-contiguous"):
         kernels.prepare_receive(session(), spec, np.zeros(20, np.float32)[::2], contrib,
                                 received, counters, place=False, stats=good, final=2)  # fmt: skip
+
+
+@pytest.mark.parametrize("place", [False, True])
+def test_replan_for_a_new_session_equals_a_fresh_plan(place: bool) -> None:
+    """A receiver whose step window moved on re-derives only the spec (``kernels.replan``): the
+    result is the plan prepare_receive makes for the new session, and a batch run with it
+    lands as with a fresh one (a spec of the old window would reject steps past it)."""
+    n, chunk_elems = 300, 32
+    rng = np.random.default_rng(3)
+    spec = transfer(DType.F32, n, chunk_elems, src_lo=1, src_hi=2, step=70)
+    n_chunks = -(-n // chunk_elems)
+    old, new = session(step_lo=0, step_hi=63), session(step_lo=7, step_hi=70)
+
+    def arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return (
+            np.zeros(n, np.float32), np.ones(n_chunks, np.uint16),
+            np.zeros((1, n_chunks), np.uint8), np.zeros(N_REASONS, np.int64),
+        )  # fmt: skip
+
+    results = []
+    for make in ("replan", "fresh"):
+        target, contrib, received, counters = arrays()
+        plan = kernels.prepare_receive(
+            old if make == "replan" else new, spec, target, contrib, received, counters,
+            place=place,
+        )  # fmt: skip
+        if make == "replan":
+            plan = kernels.replan(plan, new)
+        assert plan.session is new
+        results.append((plan, target, received, counters))
+    (a, *got), (b, *want) = results
+    np.testing.assert_array_equal(a.spec, b.spec)
+    np.testing.assert_array_equal(a.key, b.key)
+    assert not a.spec.flags.writeable
+    data = shard(rng, n, DType.F32)
+    packets = pack_all(data, DType.F32, chunk_elems, TagKey(), header(src=1, step=70))
+    for plan, (_target, received, counters) in ((a, got), (b, want)):
+        arena, lengths = arena_of(packets)
+        assert kernels.receive_rows(plan, arena, lengths) == n_chunks
+        assert received.all() and counters[0] == n_chunks
+    np.testing.assert_array_equal(got[0], want[0])

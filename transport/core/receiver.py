@@ -216,7 +216,9 @@ class ReceiverCore:
             self._start_clock(t, now)
         verdicts = np.zeros(rows.shape[0], dtype=np.uint8)
         plan = t.plan
-        if plan is None or plan.session is not session:  # checked once per transfer and session
+        if plan is not None and plan.session is not session:  # the step window moved on
+            plan = t.plan = kernels.replan(plan, session)
+        elif plan is None:  # checked once per transfer
             plan = t.plan = kernels.prepare_receive(
                 session, t.spec, t.target, t.contrib, t.received, self.counters,
                 place=t.gather, stats=t.stats, final=t.final, scale=t.scale,

@@ -45,6 +45,7 @@ from gradlane.transport.kernels.receiving import (
     receive_batch,
     receive_rows,
     reduce_into,
+    replan,
     session_checks,
     sum_order,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "receive_batch",
     "receive_rows",
     "reduce_into",
+    "replan",
     "session_checks",
     "sum_order",
     "write_headers",

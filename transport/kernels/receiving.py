@@ -225,6 +225,13 @@ class ReceivePlan(NamedTuple):
     order: SumOrder = _NO_ORDER  # a fixed order of senders for the reduce (empty: arrival order)
 
 
+def replan(plan: ReceivePlan, session: SessionSpec) -> ReceivePlan:
+    """``plan`` for another session of the same receiver (its step window moved on): only the
+    spec changes, the arrays were checked when the plan was made (:func:`prepare_receive`)."""
+    spec, key = _spec(session, plan.transfer)
+    return plan._replace(session=session, spec=spec, key=key)
+
+
 def prepare_receive(
     session: SessionSpec,
     transfer: TransferSpec,
