@@ -93,7 +93,8 @@ class TransportConfig:
     stray loss does not cut the bursts. 0: every loss does."""
     rx_coalesce_s: float = 0.0
     """Hold received datagrams up to this long to process them as one batch (like NIC
-    interrupt moderation); 0 processes at the next driver call."""
+    interrupt moderation); 0 processes at the next driver call. While a batch waits, a socket
+    wakeup only reads (the UDP plane runs no service pass unless something else is due)."""
     tick_s: float = 0.001
     """Period of the sender's housekeeping (retransmission timeouts, path health, resends)."""
     skip_late_droppable: bool = True
