@@ -218,14 +218,19 @@ class PriorityPolicy(ABC):
         that order (policies that need no rank stop here: :meth:`_extreme_sets` adds it)."""
         n = norms.shape[0]
         order = _descending_order(norms)
-        cfg = self.config
-        n_prot = _count(cfg.protected_fraction, n, at_least_one=True)
-        n_drop = min(_count(cfg.droppable_fraction, n, at_least_one=False), n - n_prot)
+        n_prot, n_drop = self._extreme_counts(n)
         protected = np.zeros(n, dtype=bool)
         protected[order[:n_prot]] = True
         droppable = np.zeros(n, dtype=bool)
         droppable[order[n - n_drop :]] = True
         return order, protected, droppable
+
+    def _extreme_counts(self, n: int) -> tuple[int, int]:
+        """How many of ``n`` chunks are protected (at least one) and droppable (never one that
+        is protected)."""
+        cfg = self.config
+        n_prot = _count(cfg.protected_fraction, n, at_least_one=True)
+        return n_prot, min(_count(cfg.droppable_fraction, n, at_least_one=False), n - n_prot)
 
     def _middle_band(self) -> tuple[int, int]:
         """Classes left for chunks that are neither protected nor droppable: 1..n_classes-2.
@@ -291,15 +296,13 @@ class LayerMagnitudePolicy(PriorityPolicy):
         n = arr.shape[0]
         if pinned:
             return self._pinned(n)
-        cfg = self.config
-        n_prot = _count(cfg.protected_fraction, n, at_least_one=True)
-        n_drop = min(_count(cfg.droppable_fraction, n, at_least_one=False), n - n_prot)
+        n_prot, n_drop = self._extreme_counts(n)
         lo, hi = self._middle_band()
         # One compiled call (NaN ranked largest there, as _as_norms does): the numpy
         # formulation, _extreme_masks and three assignments, is the reference the tests hold
         # it to, and costs a dozen small-array operations per transfer.
         prio, protected, droppable = _pk.layer_magnitude(
-            arr, n_prot, n_drop, _position_class(pos, lo, hi), cfg.n_classes - 1
+            arr, n_prot, n_drop, _position_class(pos, lo, hi), self.config.n_classes - 1
         )
         return Classes(prio=prio, protected=protected, droppable=droppable)
 

@@ -9,7 +9,6 @@ decided about it, is :mod:`gradlane.transport.core.receiver`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -40,14 +39,6 @@ class HeldRows:
     paths: np.ndarray
     rows: np.ndarray
     nbytes: int
-
-
-@lru_cache(maxsize=8)
-def _never(n_src: int) -> np.ndarray:
-    """A template of per-sender times not yet come (+inf); read-only, copied per transfer."""
-    t = np.full(n_src, np.inf)
-    t.flags.writeable = False
-    return t
 
 
 class InTransfer:
@@ -97,10 +88,9 @@ class InTransfer:
         self.manifest_known = np.zeros(n_src, dtype=bool)
         self.abandoned = np.zeros((n_src, n), dtype=bool)
         self.fin = np.zeros(n_src, dtype=bool)
-        never = _never(n_src)  # copied: cheaper than filling afresh
-        self.pass_end = never.copy()  # when each sender's PASS_END chunk came
+        self.pass_end = np.full(n_src, np.inf)  # when each sender's PASS_END chunk came
         self.new_since_ack = np.zeros(n_src, dtype=np.int64)
-        self.ack_due = never.copy()
+        self.ack_due = np.full(n_src, np.inf)
         self.trigger = np.zeros(n_src, dtype=np.int64)
         self.trigger_at = np.zeros(n_src, dtype=np.float64)
         self.path = np.zeros(n_src, dtype=np.int64)
@@ -124,7 +114,15 @@ class InTransfer:
 
     def missing_elems(self) -> dict[int, int]:
         """Elements not received, per sender."""
+        if self.got >= self.expected:  # every chunk of every sender came
+            return dict.fromkeys(self.senders, 0)
         return {
             s: int(self.counts[self.received[s - self.spec.src_lo] == 0].sum())
             for s in self.senders
         }
+
+    def protected_missing(self) -> int:
+        """Protected chunks not received, over every sender."""
+        if self.got >= self.expected:
+            return 0
+        return int(((self.received[self.rows] == 0) & self.protected[self.rows]).sum())

@@ -35,7 +35,6 @@ the LOST ones. What to send when, and the loss detection, are
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -76,15 +75,6 @@ _PROTECTED = np.uint8(Flags.PROTECTED)
 _DROPPABLE = np.uint8(Flags.DROPPABLE)
 _LAST = np.uint8(Flags.LAST)
 _PASS_END = np.uint8(Flags.PASS_END)
-
-
-@lru_cache(maxsize=8)
-def _lane_templates(n_lanes: int) -> tuple[np.ndarray, np.ndarray]:
-    """A new transfer's per-lane RACK state (no sequence acknowledged, never): copied, which
-    costs less than filling afresh."""
-    seq, at = np.full(n_lanes, -1, dtype=np.int64), np.full(n_lanes, np.inf)
-    seq.flags.writeable = at.flags.writeable = False
-    return seq, at
 
 
 class OutKey(NamedTuple):
@@ -233,9 +223,8 @@ class OutTransfer:
         self.tx_seq = np.zeros(n, dtype=np.int64)
         self.next_tx_seq = 0
         n_lanes = cfg.n_paths * cfg.priority.n_classes
-        seq0, at0 = _lane_templates(n_lanes)
-        self.lane_seq = seq0.copy()
-        self.lane_at = at0.copy()
+        self.lane_seq = np.full(n_lanes, -1, dtype=np.int64)
+        self.lane_at = np.full(n_lanes, np.inf)
         self.path = np.zeros(n, dtype=np.int16)
         self.tx = np.zeros(n, dtype=np.uint8)
         self.cursor = 0

@@ -731,11 +731,7 @@ class ReceiverCore:
         if t.plan is not None and t.order is not None:
             kernels.flush_order(t.plan)  # contributions a missing sender kept waiting
         n = t.spec.n_elems
-        if t.got >= t.expected:  # every chunk of every sender came: nothing to count
-            missing, protected_missing = dict.fromkeys(t.senders, 0), 0
-        else:
-            missing = t.missing_elems()
-            protected_missing = int(((t.received[t.rows] == 0) & t.protected[t.rows]).sum())
+        missing = t.missing_elems()
         report = LossReport(
             step=t.key.step,
             bucket=t.key.bucket,
@@ -749,7 +745,7 @@ class ReceiverCore:
             bytes_received=t.bytes_received,
             duplicates=t.duplicates,
             rejected=t.rejected,
-            protected_missing=protected_missing,
+            protected_missing=t.protected_missing(),
             nonfinite_chunks=int(np.count_nonzero(t.nonfinite)),
         )
         # The deadline learns how long a transfer's data takes to arrive on its own. A transfer

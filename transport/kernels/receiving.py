@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -35,53 +36,10 @@ from gradlane.transport.wire.header import (
     TransferSpec,
 )
 
-# The transfer's fields in the spec, in TransferSpec's order: one slice assignment per transfer.
-_T_FIELDS = (
-    _vd.S_T_STEP, _vd.S_T_BUCKET, _vd.S_T_SHARD, _vd.S_T_PHASE, _vd.S_T_DTYPE, _vd.S_T_N_ELEMS,
-    _vd.S_T_CHUNK_ELEMS, _vd.S_T_SRC_LO, _vd.S_T_SRC_HI, _vd.S_T_N_CHUNKS,
-)  # fmt: skip
-assert tuple(range(_vd.S_T_STEP, _vd.SPEC_LEN)) == _T_FIELDS, "spec layout changed"
 
-# The session part of the spec and the tag key's words, per session object (a receiver keeps
-# one session per step window): an identity lookup, where hashing the frozen dataclasses for
-# a cache would cost more than the rest of a transfer's spec.
-_SESSIONS: dict[int, tuple[SessionSpec, np.ndarray, np.ndarray, np.ndarray]] = {}
-
-
-def _session_part(session: SessionSpec) -> tuple[np.ndarray, np.ndarray]:
-    """The spec with ``session``'s fields (the transfer's zero) and the key's words."""
-    entry = _session_entry(session)
-    return entry[1], entry[2]
-
-
-def _session_entry(session: SessionSpec) -> tuple[SessionSpec, np.ndarray, np.ndarray, np.ndarray]:
-    """``(session, spec with its fields, key words, spec naming no transfer)``, cached."""
-    hit = _SESSIONS.get(id(session))
-    if hit is not None and hit[0] is session:
-        return hit
-    mode, key = _key_parts(session.key)
-    base = np.zeros(_vd.SPEC_LEN, dtype=np.int64)
-    base[_vd.S_JOB] = session.job
-    base[_vd.S_ME] = session.me
-    base[_vd.S_WORLD] = session.world
-    base[_vd.S_STEP_LO] = session.step_lo
-    base[_vd.S_STEP_HI] = session.step_hi
-    base[_vd.S_N_BUCKETS] = session.n_buckets
-    base[_vd.S_MAX_DATAGRAM] = session.max_datagram
-    base[_vd.S_MODE] = mode
-    base.flags.writeable = False
-    # For the session checks: a transfer no packet names (step -1), otherwise well-formed.
-    checks = base.copy()
-    checks[_T_FIELDS[0] :] = (-1, 0, 0, 0, DType.F32, 0, 1, 0, 1, 0)
-    checks.flags.writeable = False
-    if len(_SESSIONS) >= 64:  # sessions come and go with step windows: keep the newest
-        _SESSIONS.clear()
-    entry = _SESSIONS[id(session)] = (session, base, key, checks)  # keeps the session alive
-    return entry
-
-
+@lru_cache(maxsize=256)
 def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.ndarray]:
-    """The int64 spec array the receive kernels read (read-only), and the tag key's words."""
+    """The int64 spec array the receive kernels read, and the tag key's words (cached)."""
     _wire_dtype(transfer.dtype)
     if transfer.chunk_elems < 1 or transfer.n_elems < 0:
         raise ValueError(
@@ -93,13 +51,26 @@ def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.
             f"transfer ranks src_lo={transfer.src_lo}, src_hi={transfer.src_hi} must satisfy "
             "0 <= src_lo < src_hi <= 65536"
         )
-    base, key = _session_part(session)
-    spec = base.copy()
-    t = transfer
-    spec[_vd.S_T_STEP :] = (
-        t.step, t.bucket, t.shard, t.phase, t.dtype, t.n_elems, t.chunk_elems, t.src_lo,
-        t.src_hi, t.n_chunks,
-    )  # fmt: skip
+    mode, key = _key_parts(session.key)
+    spec = np.zeros(_vd.SPEC_LEN, dtype=np.int64)
+    spec[_vd.S_JOB] = session.job
+    spec[_vd.S_ME] = session.me
+    spec[_vd.S_WORLD] = session.world
+    spec[_vd.S_STEP_LO] = session.step_lo
+    spec[_vd.S_STEP_HI] = session.step_hi
+    spec[_vd.S_N_BUCKETS] = session.n_buckets
+    spec[_vd.S_MAX_DATAGRAM] = session.max_datagram
+    spec[_vd.S_MODE] = mode
+    spec[_vd.S_T_STEP] = transfer.step
+    spec[_vd.S_T_BUCKET] = transfer.bucket
+    spec[_vd.S_T_SHARD] = transfer.shard
+    spec[_vd.S_T_PHASE] = transfer.phase
+    spec[_vd.S_T_DTYPE] = transfer.dtype
+    spec[_vd.S_T_N_ELEMS] = transfer.n_elems
+    spec[_vd.S_T_CHUNK_ELEMS] = transfer.chunk_elems
+    spec[_vd.S_T_SRC_LO] = transfer.src_lo
+    spec[_vd.S_T_SRC_HI] = transfer.src_hi
+    spec[_vd.S_T_N_CHUNKS] = transfer.n_chunks
     spec.flags.writeable = False
     return spec, key
 
@@ -188,9 +159,13 @@ def session_checks(
     return out
 
 
+@lru_cache(maxsize=64)
 def _session_spec(session: SessionSpec) -> np.ndarray:
     """The receive kernels' spec of ``session`` with a transfer no packet names."""
-    return _session_entry(session)[3]
+    spec = _spec(session, TransferSpec(0, 0, 0, 0, DType.F32, 0, 1, 0, 1))[0].copy()
+    spec[_vd.S_T_STEP] = -1
+    spec.flags.writeable = False
+    return spec
 
 
 def flush_order(plan: ReceivePlan) -> int:
