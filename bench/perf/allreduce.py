@@ -29,7 +29,7 @@ without it) fails the run.
 
 With the ZeroMQ plane comes its floor (``zmq_floor``, :mod:`gradlane.bench.perf.zmq_floor`):
 the same all-reduce over ZeroMQ sockets as the plane's (TCP on loopback) with no protocol,
-each shard as 1 MiB zero-copy frames added or copied straight from libzmq's messages:
+each shard as 4 MiB zero-copy frames added or copied straight from libzmq's messages:
 ``summary.zmq_vs_floor`` next to ``zmq_floor_vs_gloo`` and ``zmq_vs_gloo``.
 
 The summary's maps are keyed ``"<ranks>x<MB>@<chunk bytes>"`` for the UDP engines and the
@@ -46,7 +46,7 @@ default engine (both on).
 
 ``--zmq-batch-compare`` adds a second ZeroMQ plane that sends one packet per frame
 (``zmq_unbatched``, ``batch_bytes=0``) next to the default one, which packs each run into
-frames of up to 1 MiB; ``summary.zmq_unbatched_vs_zmq`` gives the ratio.
+frames of up to 4 MiB; ``summary.zmq_unbatched_vs_zmq`` gives the ratio.
 
 ``--keyed-compare`` adds the reliable UDP engine with a job secret (``udp_keyed``: every packet
 carries the keyed MAC instead of the checksum), interleaved; ``summary.udp_keyed_vs_unkeyed``

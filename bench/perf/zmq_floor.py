@@ -8,7 +8,7 @@ Each rank runs the same transpose all-reduce as gradlane (reduce-scatter by dire
 then all-gather) with nothing of a transport around it: no packets, headers, tags,
 acknowledgements, priorities or paths. One PULL socket per rank (all peers fan in) and one PUSH
 socket per peer, over TCP on loopback as the plane's; each shard travels as frames of up to
-1 MiB, each a 16-byte header (repetition, phase, sender, offset) and a zero-copy view of the
+4 MiB, each a 16-byte header (repetition, phase, sender, offset) and a zero-copy view of the
 buffer, and each received frame is added (reduce) or copied (gather) into the buffer straight
 from libzmq's message, with one NumPy operation. So it costs what libzmq (its I/O thread's copies
 and TCP's) and the sums cost by themselves: a ZeroMQ transport cannot be faster than this here.
@@ -30,8 +30,8 @@ import zmq
 
 __all__ = ["FRAME_FLOATS", "FloorReport", "ZmqFloorPlane"]
 
-#: Floats per frame: 1 MiB, the ZeroMQ plane's batch frames' size.
-FRAME_FLOATS = 1 << 18
+#: Floats per frame: 4 MiB, the ZeroMQ plane's batch frames' size.
+FRAME_FLOATS = 1 << 20
 #: A frame's header: repetition, phase, sender, offset (in floats) of its payload in the buffer.
 _HEADER = struct.Struct("<IIIQ")
 #: Seconds without a frame before a repetition fails (TCP does not lose frames: a peer is gone).

@@ -308,11 +308,12 @@ def test_scale_multiplies_the_sum(ipc_dir, closing):
 
 def _batch(count: int, *records: bytes) -> bytes:
     """A batch frame (gradlane.transport.drivers.zmq.frames's layout) declaring ``count``
-    records."""
-    out = zmq_batch.BATCH_MAGIC + count.to_bytes(4, "little")
-    for r in records:
-        out += len(r).to_bytes(8, "little") + r + bytes(-len(r) % 8)
-    return out
+    records, in rows as wide as the longest."""
+    stride = max((len(r) + 7) & ~7 for r in records)
+    out = zmq_batch.BATCH_MAGIC + count.to_bytes(4, "little") + stride.to_bytes(4, "little")
+    out += bytes(4) + b"".join(len(r).to_bytes(4, "little") for r in records)
+    out += bytes(-len(out) % 8)
+    return out + b"".join(r + bytes(stride - len(r)) for r in records)
 
 
 def test_runs_travel_batched_and_broken_batch_frames_are_counted_not_trusted(ipc_dir, closing):
@@ -320,8 +321,10 @@ def test_runs_travel_batched_and_broken_batch_frames_are_counted_not_trusted(ipc
     rng = np.random.default_rng(11)
     junk = rng.integers(0, 256, 200, dtype=np.uint8).tobytes()  # no gradlane magic: rejected
     broken = [
-        _batch(2, junk)[:-40],  # its record runs past the end
+        _batch(1, junk)[:-40],  # its row runs past the end
         _batch(5, junk),  # declares five records, holds one
+        (zmq_batch.BATCH_MAGIC[:3] + b"\x01")  # another layout version
+        + _batch(1, junk)[4:],
     ]
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PUSH)
@@ -343,7 +346,9 @@ def test_runs_travel_batched_and_broken_batch_frames_are_counted_not_trusted(ipc
     finally:
         raw.close()
     assert stats["bad_frames"] == len(broken)
-    assert stats["endpoint"]["rejected"].get("bad_magic", 0) >= 2  # the junk packets themselves
+    # A broken frame is dropped whole; the well-framed junk packet reaches the core, which
+    # rejects it.
+    assert stats["endpoint"]["rejected"].get("bad_magic", 0) == 1
     # A 4 MB shard's runs went as batch frames: many packets per ZeroMQ message.
     b = planes[1].stats()
     assert b["bad_frames"] == 0 and b["packets_in"] >= 2 * b["frames_in"]
@@ -385,6 +390,7 @@ def test_batch_frame_buffers_are_reused_not_made_per_frame(ipc_dir, closing):
     rounds(range(5, 25))
     for p, m, f in zip(planes, made, frames, strict=True):
         s = p.stats()
-        assert 0 < m <= 40 and s["frames_out"] - f >= 20 * 8  # 8 MB each way: ≥ 8 frames a round
+        # 8 MB: 4 MB out in each phase, over two paths: at least two frames a round.
+        assert 0 < m <= 40 and s["frames_out"] - f >= 20 * 2
         assert s["send_buffers"] <= m + 8  # a few more in flight at most, not one per frame
         assert not set(s["endpoint"]["rejected"]) - {"duplicate"}

@@ -422,6 +422,41 @@ def test_zero_copy_receive_matches_receive_datagram():
     assert int(eps[0].endpoint.counters[Reason.OVERSIZED]) == before + 1
 
 
+def test_rows_received_in_place_match_receive_datagram():
+    """receive_rows (a driver's own buffer, as the ZeroMQ plane's batch frames) gives the same
+    all-reduce as receive_datagram; rows wider than a slot are cut and a datagram longer than
+    the slot is counted as oversized; arrays it cannot read are refused."""
+    eps = make(2)
+    wire = Wire(eps)
+    datas = [np.arange(1000, dtype=np.float32) * (r + 1) for r in range(2)]
+
+    class Rows:
+        def __init__(self, core):
+            self.core = core
+
+        def receive_datagram(self, data, path, now):
+            rows = np.zeros((1, (len(data) + 7) & ~7), dtype=np.uint8)  # a fresh buffer each
+            rows[0, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+            self.core.receive_rows(rows, np.array([len(data)]), path, now)
+
+        def __getattr__(self, name):
+            return getattr(self.core, name)
+
+    wire.endpoints = [Rows(eps[0]), eps[1]]
+    out = run_allreduce(eps, datas, wire)
+    for r in range(2):
+        np.testing.assert_array_equal(out[r].result, datas[0] + datas[1])
+    width = eps[0].rx_arena.shape[1]
+    before = int(eps[0].endpoint.counters[Reason.OVERSIZED])
+    wide = np.zeros((2, width + 64), dtype=np.uint8)
+    eps[0].receive_rows(wide, np.array([width + 8, 10]), 0, wire.now)
+    assert int(eps[0].endpoint.counters[Reason.OVERSIZED]) == before + 1
+    with pytest.raises(ValueError, match="rows"):
+        eps[0].receive_rows(np.zeros((1, 60), np.uint8), np.array([10]), 0, wire.now)
+    with pytest.raises(ValueError, match="lengths"):
+        eps[0].receive_rows(np.zeros((2, 64), np.uint8), np.array([10], np.int32), 0, wire.now)
+
+
 @pytest.mark.parametrize("servers", [(0,), (3,), (1, 2), (0, 1, 2, 3)])
 @pytest.mark.parametrize("n", [1, 1000, 4097])
 def test_parameter_server_push_pull_is_exact(servers, n):

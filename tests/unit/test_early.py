@@ -230,3 +230,39 @@ def test_held_data_left_over_when_the_replay_completes_the_transfer_is_counted_l
     rejected = sum(st["rejected"].values())
     assert st["accepted"] + rejected + st["late"] == 2 * len(dgs), st
     assert st["accepted"] == len(dgs) and st["late"] >= 1
+
+
+def _as_rows(datagrams: list[bytes], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Datagrams laid out one per row of ``width`` bytes in a fresh buffer (a driver's own
+    buffer, as a ZeroMQ batch frame is), and their lengths."""
+    rows = np.zeros((len(datagrams), width), dtype=np.uint8)
+    for i, d in enumerate(datagrams):
+        rows[i, : len(d)] = np.frombuffer(d, dtype=np.uint8)
+    return rows, np.array([len(d) for d in datagrams], dtype=np.int64)
+
+
+def test_early_data_received_in_rows_is_held_in_the_drivers_buffer():
+    """Early data handed over with ``receive_rows`` is held as views of the driver's buffer
+    (nothing copied, the views keep it alive); the replay uses it exactly."""
+    rng = np.random.default_rng(9)
+    datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
+    eps = _ranks()
+    eps[0].start(1, 0, datas[0], 0.5, 0.0)
+    by_path: dict[int, list[bytes]] = {}
+    for dg in flat(eps[0].datagrams_to_send(0.0)):
+        by_path.setdefault(dg.path, []).append(dg.wire())
+    buffers = []
+    for path, dgs in by_path.items():
+        rows, lengths = _as_rows(dgs, eps[1].rx_arena.shape[1])
+        eps[1].receive_rows(rows, lengths, path, 0.0)
+        buffers.append(rows)
+    ep = eps[1].endpoint
+    held = _held(ep.receiver)
+    assert sum(h.rows.shape[0] for h in held) == sum(len(d) for d in by_path.values())
+    assert all(any(np.shares_memory(h.arena, b) for b in buffers) for h in held)
+    del buffers, rows
+    out = _finish(eps, datas)
+    for r in range(2):
+        np.testing.assert_allclose(out[r].result, datas[0] + datas[1], rtol=1e-6)
+    assert ep.counters[Reason.BAD_TAG] == 0 and ep.receiver.early == {}
+    assert sum(out[0].report.sender.retransmitted) == 0

@@ -1,6 +1,6 @@
-"""Batch frames of the ZeroMQ data plane (transport/zmq_batch): packing a run, splitting frames
-into arena rows across calls, and broken frames — never a read or write out of bounds, the
-packets before a fault kept, nothing invented."""
+"""Batch frames of the ZeroMQ data plane (transport/drivers/zmq/frames): packing a run into
+fixed-stride rows, viewing a frame's rows in place, and broken frames: dropped whole, never a
+read out of bounds, nothing invented."""
 
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ def _run(sizes: list[int], seed: int = 0, payload_shift: int = 0) -> DatagramRun
 
 
 def _pack(run: DatagramRun, sel: np.ndarray, limit: int = zb.BATCH_BYTES) -> list[np.ndarray]:
-    """The batch frames of ``sel``, each in a buffer of its own (the plane reuses buffers)."""
+    """The batch frames of ``sel``, each in a buffer of its own (the plane reuses buffers,
+    so each starts as garbage here: nothing stale may survive)."""
     sel = np.asarray(sel, dtype=np.int64)
     frames = []
-    for a, b, total in zb.frame_bounds(run, sel, limit):
-        out = np.empty(total, dtype=np.uint8)
-        zb.fill(run, sel, a, b, out)
+    for a, b, stride, total in zb.frame_bounds(run, sel, limit):
+        out = np.full(total, 0xA5, dtype=np.uint8)
+        zb.fill(run, sel, a, b, stride, out)
         frames.append(out)
     return frames
 
@@ -47,30 +48,32 @@ def _packet(run: DatagramRun, i: int) -> bytes:
     return bytes(run.hdr[c * HB : (c + 1) * HB]) + bytes(run.payload[a : a + n])
 
 
-def _split_all(frames: list[np.ndarray], rows: int, width: int) -> tuple[list[bytes], int]:
-    """Every frame split through an arena of ``rows`` rows (emptied whenever it fills, as the
-    endpoint's flush does); the packets in order and the number of split calls."""
-    arena = np.zeros((rows, width), dtype=np.uint8)
-    lengths = np.zeros(rows, dtype=np.int64)
+def _reference(run: DatagramRun, idx: list[int], stride: int) -> bytes:
+    """The frame of positions ``idx`` built byte by byte from the documented layout."""
+    out = zb.BATCH_MAGIC + len(idx).to_bytes(4, "little") + stride.to_bytes(4, "little")
+    out += bytes(4)
+    for i in idx:
+        out += (HB + int(run.sizes[i])).to_bytes(4, "little")
+    out += bytes(-len(out) % 8)
+    for i in idx:
+        p = _packet(run, i)
+        out += p + bytes(stride - len(p))
+    return out
+
+
+def _unpack(frames: list[np.ndarray]) -> list[bytes]:
     got: list[bytes] = []
-    calls = 0
     for f in frames:
         assert zb.is_batch(f.data)
-        pos, first = zb.FRAME_HEADER, 0
-        while True:
-            k, pos, state = zb.split(f, pos, arena, first, lengths)
-            calls += 1
-            got += [bytes(arena[first + j, : lengths[j]]) for j in range(k)]
-            first += k
-            if state == zb.SPLIT_DONE:
-                break
-            assert state == zb.SPLIT_ARENA_FULL
-            first = 0
-    return got, calls
+        rows, lengths = zb.rows(f)
+        assert rows.shape[0] == zb.record_count(f) > 0
+        assert np.shares_memory(rows, f)  # a view: the receiver copies nothing
+        got += [bytes(rows[j, : lengths[j]]) for j in range(rows.shape[0])]
+    return got
 
 
 @pytest.mark.parametrize("shift", [0, 1, 4])
-def test_a_run_packed_and_split_gives_every_packet_in_order(shift):
+def test_a_run_packed_and_viewed_gives_every_packet_in_order(shift):
     sizes = [64952, 100, 0, 7, 64952, 1024, 3, 64952]
     run = _run(sizes, seed=shift, payload_shift=shift)
     sel = np.array([0, 2, 3, 5, 6, 7, 1, 4])
@@ -78,8 +81,28 @@ def test_a_run_packed_and_split_gives_every_packet_in_order(shift):
     assert len(frames) > 1 and all(f.shape[0] % 8 == 0 for f in frames)
     assert all(f.shape[0] <= 150_000 for f in frames)
     assert sum(zb.record_count(f) for f in frames) == len(sel)
-    got, _ = _split_all(frames, rows=3, width=65008)
-    assert got == [_packet(run, int(i)) for i in sel]
+    assert _unpack(frames) == [_packet(run, int(i)) for i in sel]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 3000), min_size=1, max_size=40),
+    st.integers(1, 6_000),
+    st.integers(0, 7),
+    st.randoms(use_true_random=False),
+)
+def test_the_compiled_fill_writes_the_documented_layout(sizes, limit, shift, rnd):
+    run = _run(sizes, seed=len(sizes), payload_shift=shift)
+    sel = np.array(rnd.sample(range(len(sizes)), len(sizes)), dtype=np.int64)
+    bounds = zb.frame_bounds(run, sel, limit)
+    assert [b[0] for b in bounds] == [0] + [b[1] for b in bounds[:-1]]
+    assert bounds[-1][1] == len(sel)
+    for (a, b, stride, total), frame in zip(bounds, _pack(run, sel, limit), strict=True):
+        idx = sel[a:b].tolist()
+        assert stride == max((HB + sizes[i] + 7) & ~7 for i in idx)
+        assert total == zb.meta_bytes(b - a) + (b - a) * stride
+        assert b - a == 1 or total <= limit  # only a lone record may exceed the limit
+        assert frame.tobytes() == _reference(run, idx, stride)
 
 
 def test_a_packet_larger_than_the_limit_gets_a_frame_of_its_own():
@@ -89,103 +112,69 @@ def test_a_packet_larger_than_the_limit_gets_a_frame_of_its_own():
     assert _pack(run, np.empty(0, dtype=np.int64)) == []
 
 
-def test_the_arena_filling_mid_frame_resumes_where_it_stopped():
-    run = _run([100] * 5)
-    (frame,) = _pack(run, np.arange(5))
-    arena = np.zeros((3, 256), dtype=np.uint8)
-    lengths = np.zeros(8, dtype=np.int64)
-    k, pos, state = zb.split(frame, zb.FRAME_HEADER, arena, 1, lengths)
-    assert (k, state) == (2, zb.SPLIT_ARENA_FULL)
-    assert [bytes(arena[1 + j, : lengths[j]]) for j in range(2)] == [
-        _packet(run, j) for j in range(2)
-    ]
-    k, pos, state = zb.split(frame, pos, arena, 0, lengths)
-    assert (k, state, pos) == (3, zb.SPLIT_DONE, frame.shape[0])
-    assert [bytes(arena[j, : lengths[j]]) for j in range(3)] == [_packet(run, j) for j in (2, 3, 4)]
+def test_fill_refuses_a_stride_or_buffer_that_does_not_fit():
+    run = _run([100, 20])
+    sel = np.arange(2)
+    ((a, b, stride, total),) = zb.frame_bounds(run, sel, 1 << 20)
+    with pytest.raises(ValueError, match="stride"):
+        zb.fill(run, sel, a, b, stride - 8, np.empty(total, dtype=np.uint8))
+    with pytest.raises(ValueError, match="bytes"):
+        zb.fill(run, sel, a, b, stride, np.empty(total - 8, dtype=np.uint8))
 
 
-def test_a_packet_longer_than_a_row_reads_as_oversized_and_the_next_is_intact():
-    run = _run([300, 20])
-    (frame,) = _pack(run, np.arange(2))
-    arena = np.zeros((2, 128), dtype=np.uint8)
-    lengths = np.zeros(2, dtype=np.int64)
-    k, _, state = zb.split(frame, zb.FRAME_HEADER, arena, 0, lengths)
-    assert (k, state) == (2, zb.SPLIT_DONE)
-    assert lengths.tolist() == [129, HB + 20]  # width + 1: the endpoint counts it as oversized
-    assert bytes(arena[0]) == _packet(run, 0)[:128]
-    assert bytes(arena[1, : HB + 20]) == _packet(run, 1)
+def _field(frame: np.ndarray, word: int, value: int) -> np.ndarray:
+    frame[4 * word : 4 * word + 4].view(np.uint32)[0] = value
+    return frame
 
 
 @pytest.mark.parametrize(
     "damage",
     [
-        pytest.param(lambda f: f[:-9], id="cut-in-the-last-record"),
-        pytest.param(lambda f: f[:-3], id="cut-in-the-padding"),
-        pytest.param(lambda f: _with_length(f, 1, HB - 1), id="length-below-a-header"),
-        pytest.param(lambda f: _with_length(f, 1, 1 << 40), id="length-past-the-end"),
-        pytest.param(lambda f: _with_length(f, 1, -5), id="negative-length"),
+        pytest.param(lambda f: f[:-8], id="cut-short"),
+        pytest.param(lambda f: np.concatenate([f, np.zeros(8, np.uint8)]), id="trailing-bytes"),
+        pytest.param(lambda f: _field(f, 0, int.from_bytes(b"GLB\x01", "little")), id="v1"),
+        pytest.param(lambda f: _field(f, 1, 0), id="no-records"),
+        pytest.param(lambda f: _field(f, 1, 4), id="count-disagrees"),
+        pytest.param(lambda f: _field(f, 1, 1 << 31), id="huge-count"),
+        pytest.param(lambda f: _field(f, 2, 77), id="stride-not-words"),
+        pytest.param(lambda f: _field(f, 2, 8), id="stride-below-a-header"),
+        pytest.param(lambda f: _field(f, 3, 1), id="reserved-word-set"),
+        pytest.param(lambda f: _field(f, 5, 1 << 20), id="length-past-its-row"),
+        pytest.param(lambda f: f[:12], id="head-only"),
     ],
 )
-def test_a_broken_frame_keeps_the_packets_before_the_fault(damage):
+def test_a_broken_frame_is_dropped_whole(damage):
     run = _run([40, 41, 42])
     (frame,) = _pack(run, np.arange(3))
     bad = np.ascontiguousarray(damage(frame.copy()))
-    arena = np.zeros((4, 128), dtype=np.uint8)
-    lengths = np.zeros(4, dtype=np.int64)
-    k, _, state = zb.split(bad, zb.FRAME_HEADER, arena, 0, lengths)
-    assert state == zb.SPLIT_MALFORMED
-    assert 1 <= k <= 2
-    assert [bytes(arena[j, : lengths[j]]) for j in range(k)] == [_packet(run, j) for j in range(k)]
+    rows, lengths = zb.rows(bad)
+    assert rows.shape[0] == 0 and lengths.shape[0] == 0
 
 
-def _with_length(frame: np.ndarray, record: int, n: int) -> np.ndarray:
-    """``frame`` with record ``record``'s length field set to ``n`` (as u64)."""
-    pos = zb.FRAME_HEADER
-    for _ in range(record):
-        m = int(frame[pos : pos + 8].view(np.uint64)[0])
-        pos += 8 + ((m + 7) & ~7)
-    frame[pos : pos + 8].view(np.int64)[0] = n
-    return frame
+def test_short_lengths_pass_to_the_core_which_rejects_them():
+    run = _run([40, 41])
+    (frame,) = _pack(run, np.arange(2))
+    _field(frame, 4, 3)  # a 3-byte packet: the core counts it, the frame is still well formed
+    _, lengths = zb.rows(frame)
+    assert lengths.tolist() == [3, HB + 41]
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.binary(min_size=0, max_size=600), st.integers(1, 5))
-def test_random_bytes_never_escape_the_frame_or_the_arena(body, rows):
-    frame = np.frombuffer(zb.BATCH_MAGIC + b"\x03\x00\x00\x00" + body, dtype=np.uint8)
-    arena = np.zeros((rows + 2, 64), dtype=np.uint8)
-    guard = arena[rows:].copy()
-    lengths = np.zeros(rows, dtype=np.int64)
-    pos, seen = zb.FRAME_HEADER, 0
-    for _ in range(len(body) + 2):  # each call consumes a record or stops
-        k, nxt, state = zb.split(frame, pos, arena[:rows], 0, lengths)
-        assert 0 <= k <= rows and pos <= nxt <= frame.shape[0]
-        assert all(HB <= n <= 65 for n in lengths[:k].tolist())
-        seen += k
-        if state != zb.SPLIT_ARENA_FULL:
-            break
-        pos = nxt
-    else:
-        pytest.fail("split never finished")
-    np.testing.assert_array_equal(arena[rows:], guard)
-    assert seen * (8 + HB) <= len(body)
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=700), st.integers(0, 9), st.integers(0, 200))
+def test_random_bytes_never_escape_the_frame(body, count, stride):
+    head = zb.BATCH_MAGIC + count.to_bytes(4, "little") + (8 * stride).to_bytes(4, "little")
+    frame = np.frombuffer(head + bytes(4) + body, dtype=np.uint8)
+    rows, lengths = zb.rows(frame)
+    k = rows.shape[0]
+    assert lengths.shape[0] == k
+    if k:
+        assert np.shares_memory(rows, frame) and rows.shape == (count, 8 * stride)
+        assert zb.meta_bytes(count) + rows.size == frame.shape[0]
+        assert all(0 <= n <= rows.shape[1] for n in lengths.tolist())
 
 
 def test_a_lone_packet_is_not_a_batch_frame():
     packet = MAGIC.to_bytes(2, "little") + bytes(HB)
     assert not zb.is_batch(packet)
     assert not zb.is_batch(zb.BATCH_MAGIC[:3])
-    assert zb.is_batch(zb.BATCH_MAGIC + bytes(4))
-
-
-def test_split_refuses_arrays_it_cannot_read():
-    frame = np.zeros(16, dtype=np.uint8)
-    arena = np.zeros((2, 64), dtype=np.uint8)
-    lengths = np.zeros(2, dtype=np.int64)
-    with pytest.raises(ValueError, match="frame"):
-        zb.split(frame.view(np.uint16), 8, arena, 0, lengths)
-    with pytest.raises(ValueError, match="arena"):
-        zb.split(frame, 8, np.zeros((2, 60), dtype=np.uint8), 0, lengths)
-    with pytest.raises(ValueError, match="lengths"):
-        zb.split(frame, 8, arena, 0, lengths.astype(np.int32))
-    with pytest.raises(ValueError, match="outside"):
-        zb.split(frame, 8, arena, 3, lengths)
+    assert zb.is_batch(zb.BATCH_MAGIC + bytes(12))

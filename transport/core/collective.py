@@ -420,6 +420,11 @@ class TransposeAllReduce:
         received datagrams goes in (see :meth:`Endpoint.commit_datagrams`)."""
         self.endpoint.commit_datagrams(lengths, path, now)
 
+    def receive_rows(self, rows: np.ndarray, lengths: np.ndarray, path: int, now: float) -> None:
+        """Process datagrams that lie one per row in the driver's own buffer, in place (see
+        :meth:`Endpoint.receive_rows`)."""
+        self.endpoint.receive_rows(rows, lengths, path, now)
+
     def receive_datagram(self, data: bytes | memoryview, path: int, now: float) -> None:
         """Feed one datagram given as bytes (see :meth:`Endpoint.receive_datagram`)."""
         self.endpoint.receive_datagram(data, path, now)

@@ -191,6 +191,34 @@ class Endpoint:
         self._rx_path[i] = path
         self._committed(i, 1, now)
 
+    def receive_rows(self, rows: np.ndarray, lengths: np.ndarray, path: int, now: float) -> None:
+        """Process, at once and in place, datagrams that lie one per row in the driver's own
+        buffer (a ZeroMQ batch frame: no copy into :attr:`rx_arena`), after any committed
+        before them. ``rows``: C-contiguous uint8 rows a multiple of 8 bytes wide (cut to
+        ``slot_bytes``: a longer datagram counts as oversized, as in
+        :meth:`commit_datagrams`); ``lengths``: int64, one per row, at most the width. The
+        receiver may keep views of some rows (early data) until their collective starts: the
+        buffer must not change while views of it live."""
+        k = int(rows.shape[0])
+        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] % 8:
+            raise ValueError(f"rows must be uint8 rows of a multiple of 8 bytes, got {rows.shape}")
+        if lengths.dtype != np.int64 or lengths.shape != (k,):
+            raise ValueError(
+                f"lengths must be {k} int64 values, got {lengths.dtype}{lengths.shape}"
+            )
+        self._now = now
+        self._flush(now)
+        if k == 0:
+            return
+        width = self.config.slot_bytes
+        if rows.shape[1] > width:
+            rows = np.ascontiguousarray(rows[:, :width])
+            lengths = np.where(lengths > width, width + 1, lengths)
+        elif not rows.flags.c_contiguous:
+            rows = np.ascontiguousarray(rows)
+        self.batches += 1
+        self._process(rows, lengths, np.full(k, path, dtype=np.int64), now, True)
+
     def note_drained(self, now: float) -> None:
         """The driver read every receive socket empty in a pass that began at ``now``: whatever
         had reached this host before ``now`` has been committed. Drivers whose input can queue

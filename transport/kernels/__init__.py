@@ -33,7 +33,7 @@ Each kernel has a plain-NumPy reference in ``tests/support/naive.py`` (the wire-
 
 from __future__ import annotations
 
-from gradlane.transport.kernels._common import CONFIG, KernelConfig, copy_bytes
+from gradlane.transport.kernels._common import CONFIG, KernelConfig, copy_bytes, memcpy, memzero
 from gradlane.transport.kernels.acks import AckResult, SentChunks, apply_ack
 from gradlane.transport.kernels.buffers import hadamard_forward, hadamard_inverse, local_sum
 from gradlane.transport.kernels.receiving import (
@@ -77,6 +77,8 @@ __all__ = [
     "hadamard_inverse",
     "header_words",
     "local_sum",
+    "memcpy",
+    "memzero",
     "pack",
     "place_into",
     "prepare_receive",

@@ -1,4 +1,5 @@
-"""Batch frames of the ZeroMQ data plane: a run of gradlane packets in one ZeroMQ message.
+"""Batch frames of the ZeroMQ data plane: a run of gradlane packets in one ZeroMQ message,
+laid out so the receiver processes them where they arrived.
 
 Theory of operation
 -------------------
@@ -7,161 +8,196 @@ ZeroMQ's I/O thread whatever its size: with one message per 64 KB packet, much o
 CPU goes to the interpreter, and an all-reduce takes noticeably longer than with batch frames
 (``python -m gradlane.bench.perf.allreduce --zmq-batch-compare`` times both). So the sender
 packs each run of DATA packets for one (peer, path) into frames of up to :data:`BATCH_BYTES`
-(:func:`frame_bounds`, :func:`fill`), and the receiver splits a frame back into packets, one
-per row of the core's receive arena, in one compiled pass (:func:`split`). Each packet is then
-validated exactly as if it had come alone; the frame adds framing, not trust. Control packets
-(ACK, NACK, …) still travel one per message.
+(:func:`frame_bounds`, then one compiled :func:`fill` per frame). Control packets (ACK, NACK,
+…) still travel one per message.
 
-Layout, little-endian: :data:`BATCH_MAGIC`, a u32 record count, then per record a u64 packet
-length, the packet, and zero padding to a multiple of 8 bytes (so every record starts on a
-word: the split copies by words). A lone packet starts with the gradlane magic (bytes
-``4C 47``), a batch frame with ``47 4C``: the receiver tells them apart by the first bytes.
+A frame's packets lie one per row of a fixed width (the frame's *stride*): the receiver views
+the rows as a 2-D array (:func:`rows`) and hands them to the core as they are
+(:meth:`~gradlane.transport.core.endpoint.Endpoint.receive_rows`): no copy into the core's
+arena, no per-packet Python. Each packet is validated exactly as if it had come alone; the
+frame adds framing, not trust.
 
-A frame is malformed when a record (padding included) runs past its end or a length is below
-the header size: the packets before the fault are kept (each is validated on its own) and the
-rest of the frame is dropped. A frame whose record count disagrees with its records keeps them
-all. Either is counted as a bad frame.
+Layout, little-endian: :data:`BATCH_MAGIC`; u32 record count (at least 1); u32 stride (a
+multiple of 8, at least a header); u32 zero; one u32 packet length per record; zero padding
+to a multiple of 8 bytes (:func:`meta_bytes`); then the rows: packet ``i`` and zeros up to
+the stride. A lone packet starts with the gradlane magic (bytes ``4C 47``), a batch frame with
+``47 4C``: the receiver tells them apart by the first bytes.
+
+A frame whose layout does not add up (wrong magic or version, no records, a bad stride, a size
+other than the layout's, a length past its row) is dropped whole and counted: its rows cannot
+be told apart, so none is trusted.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from gradlane.transport.core.events import DatagramRun
-from gradlane.transport.kernels import copy_bytes
+from gradlane.transport.kernels import memcpy, memzero
 from gradlane.transport.wire.header import HEADER_SIZE
 from numba import njit
 
 __all__ = [
     "BATCH_BYTES",
     "BATCH_MAGIC",
-    "FRAME_HEADER",
     "fill",
     "frame_bounds",
     "is_batch",
+    "meta_bytes",
     "record_count",
-    "split",
+    "rows",
     "warm_up",
 ]
 
 #: The first four bytes of a batch frame ("GLB" and the layout's version).
-BATCH_MAGIC = b"GLB\x01"
-#: Bytes before the first record: the magic and the record count.
-FRAME_HEADER = 8
-#: Bytes before each packet: its length.
-RECORD_HEADER = 8
-#: Largest frame :func:`frame_bounds` plans (a record larger than this goes in a frame of its own).
-#: 1 MiB amortises the per-message cost ~16-fold at 64 KB packets and keeps a frame within
-#: the caches the split copies through.
-BATCH_BYTES = 1 << 20
-
-#: What :func:`split` says of the frame after its call.
-SPLIT_DONE = 0
-SPLIT_ARENA_FULL = 1
-SPLIT_MALFORMED = 2
+BATCH_MAGIC = b"GLB\x02"
+#: Bytes of the fixed part of a frame's head: magic, count, stride and a zero word.
+FIXED_HEAD = 16
+#: Largest frame :func:`frame_bounds` plans (a record larger than this goes in a frame of its
+#: own). The receiver processes a frame as one batch, so larger frames mean fewer, larger
+#: batches; 2 MiB keeps the sender's first frame of a run quick to fill.
+BATCH_BYTES = 4 << 20
 
 _MAGIC_U32 = int.from_bytes(BATCH_MAGIC, "little")
+_BAD = (np.empty((0, 8), dtype=np.uint8), np.empty(0, dtype=np.int64))
+
+
+def meta_bytes(count: int) -> int:
+    """Bytes before the first row of a frame of ``count`` records."""
+    return FIXED_HEAD + ((4 * count + 7) & ~7)
 
 
 def is_batch(buf: memoryview | bytes) -> bool:
-    """Whether a received message is a batch frame (else it is one packet)."""
-    return len(buf) >= FRAME_HEADER and buf[:4] == BATCH_MAGIC
-
-
-def frame_bounds(run: DatagramRun, sel: np.ndarray, limit: int) -> list[tuple[int, int, int]]:
-    """How the sender cuts the datagrams at positions ``sel`` of ``run`` into frames of at
-    most ``limit`` bytes (a datagram that alone exceeds it gets a frame of its own): per frame,
-    ``(first, end, nbytes)`` over positions in ``sel``."""
-    rec = RECORD_HEADER + ((run.header_bytes + run.sizes[sel] + 7) & ~7)
-    bounds: list[tuple[int, int, int]] = []
-    start, total = 0, FRAME_HEADER
-    for i, r in enumerate(rec.tolist()):
-        if i > start and total + r > limit:
-            bounds.append((start, i, total))
-            start, total = i, FRAME_HEADER
-        total += r
-    if len(rec):
-        bounds.append((start, len(rec), total))
-    return bounds
-
-
-def fill(run: DatagramRun, sel: np.ndarray, first: int, end: int, out: np.ndarray) -> None:
-    """Write the batch frame of the datagrams at positions ``sel[first:end]`` of ``run`` into
-    ``out`` (uint8, exactly the frame's size as :func:`frame_bounds` gives it).
-
-    The copies are NumPy slice assignments (``memcpy``): a compiled byte loop with run-time
-    bounds copied at a sixth of the speed, and a shard's payload need not be word-aligned for
-    a word loop.
-    """
-    hb = run.header_bytes
-    hdr = np.frombuffer(run.hdr, dtype=np.uint8)
-    pay = np.frombuffer(run.payload, dtype=np.uint8)
-    head = out[:FRAME_HEADER].view(np.uint32)
-    head[0] = _MAGIC_U32
-    head[1] = end - first
-    pos = FRAME_HEADER
-    idx = sel[first:end]
-    for c, a, n in zip(
-        run.chunks[idx].tolist(), run.starts[idx].tolist(), run.sizes[idx].tolist(), strict=True
-    ):
-        out[pos : pos + RECORD_HEADER].view(np.uint64)[0] = hb + n
-        p = pos + RECORD_HEADER
-        out[p : p + hb] = hdr[c * hb : (c + 1) * hb]
-        out[p + hb : p + hb + n] = pay[a : a + n]
-        pos = p + ((hb + n + 7) & ~7)
-        out[p + hb + n : pos] = 0  # the padding: no stale memory on the wire
-    if pos != out.shape[0]:
-        raise ValueError(f"a frame of {pos} bytes written into {out.shape[0]}")
+    """Whether a received message is a batch frame (else it is one packet, or a foreign
+    frame that the core rejects as one)."""
+    return len(buf) >= FIXED_HEAD and buf[:3] == BATCH_MAGIC[:3]
 
 
 @njit(nogil=True, cache=True)
-def _split(
-    frame: np.ndarray, pos: int, arena: np.ndarray, first: int, lengths: np.ndarray
-) -> tuple[int, int, int]:
-    end = frame.shape[0]
-    width = arena.shape[1]
-    w = 0
-    while pos < end:
-        if first + w >= arena.shape[0] or w >= lengths.shape[0]:
-            return w, pos, SPLIT_ARENA_FULL
-        if pos + RECORD_HEADER > end:
-            return w, pos, SPLIT_MALFORMED
-        n = np.int64(0)
-        for b in range(RECORD_HEADER):
-            n |= np.int64(frame[pos + b]) << (8 * b)
-        body = pos + RECORD_HEADER
-        # The padded record must fit (n first: padding a huge n would overflow).
-        if n < HEADER_SIZE or n > end - body or ((n + 7) & ~7) > end - body:
-            return w, pos, SPLIT_MALFORMED
-        # Longer than a row: the row keeps its start, the length says it did not fit (the
-        # endpoint counts it as oversized), as for a truncated datagram off a socket.
-        copy_bytes(arena[first + w], frame, body, min(n, width))
-        lengths[w] = n if n <= width else width + 1
-        w += 1
-        pos = body + ((n + 7) & ~7)
-    return w, pos, SPLIT_DONE
+def _bounds(rec: np.ndarray, limit: int, out: np.ndarray) -> int:
+    # Greedy: a frame takes records while meta + count * (widest row so far) stays in limit.
+    nf = 0
+    start = 0
+    stride = 0
+    i = 0
+    n = rec.shape[0]
+    while i < n:
+        s = max(stride, rec[i])
+        k = i - start + 1
+        total = FIXED_HEAD + ((4 * k + 7) & ~7) + k * s
+        if k > 1 and total > limit:
+            k -= 1
+            out[nf, 0] = start
+            out[nf, 1] = i
+            out[nf, 2] = stride
+            out[nf, 3] = FIXED_HEAD + ((4 * k + 7) & ~7) + k * stride
+            nf += 1
+            start = i
+            stride = 0
+            continue
+        stride = s
+        i += 1
+    if n > start:
+        k = n - start
+        out[nf, 0] = start
+        out[nf, 1] = n
+        out[nf, 2] = stride
+        out[nf, 3] = FIXED_HEAD + ((4 * k + 7) & ~7) + k * stride
+        nf += 1
+    return nf
 
 
-def split(
-    frame: np.ndarray, pos: int, arena: np.ndarray, first: int, lengths: np.ndarray
-) -> tuple[int, int, int]:
-    """Copy the records of a batch ``frame`` (uint8) from byte ``pos`` into rows ``first,
-    first + 1, ...`` of ``arena`` (uint8 rows), their packet lengths into ``lengths``.
+def frame_bounds(run: DatagramRun, sel: np.ndarray, limit: int) -> list[tuple[int, int, int, int]]:
+    """How the sender cuts the datagrams at positions ``sel`` of ``run`` into frames of at
+    most ``limit`` bytes (a datagram that alone exceeds it gets a frame of its own): per frame,
+    ``(first, end, stride, nbytes)`` over positions in ``sel``."""
+    rec = (run.header_bytes + run.sizes[sel] + 7) & ~7
+    out = np.empty((rec.shape[0], 4), dtype=np.int64)
+    nf = _bounds(rec, limit, out)
+    return [tuple(r) for r in out[:nf].tolist()]
 
-    Returns ``(rows, next_pos, state)``: ``state`` is ``SPLIT_DONE`` (the frame is used up),
-    ``SPLIT_ARENA_FULL`` (out of rows or ``lengths``: commit them, call again from
-    ``next_pos``) or ``SPLIT_MALFORMED`` (a record at ``next_pos`` is broken; the rows before
-    it are good). A packet longer than a row keeps its start and reads as ``width + 1``.
-    """
-    if frame.dtype != np.uint8 or frame.ndim != 1:
-        raise ValueError(f"frame must be 1-D uint8, got {frame.dtype}{frame.shape}")
-    if arena.dtype != np.uint8 or arena.ndim != 2 or arena.shape[1] % 8:
-        raise ValueError(f"arena must be uint8 rows of a multiple of 8 bytes, got {arena.shape}")
-    if lengths.dtype != np.int64 or lengths.ndim != 1:
-        raise ValueError(f"lengths must be 1-D int64, got {lengths.dtype}{lengths.shape}")
-    if not 0 <= first <= arena.shape[0] or pos < 0:
-        raise ValueError(f"first {first} / pos {pos} outside the arena or frame")
-    w, nxt, state = _split(frame, pos, arena, first, lengths)
-    return int(w), int(nxt), int(state)
+
+@njit(nogil=True, cache=True)
+def _fill(
+    out: np.ndarray,
+    hdr: np.ndarray,
+    hb: int,
+    pay: np.ndarray,
+    chunks: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    idx: np.ndarray,
+    stride: int,
+) -> int:
+    k = idx.shape[0]
+    meta = FIXED_HEAD + ((4 * k + 7) & ~7)
+    head = out[:meta].view(np.uint32)
+    head[0] = _MAGIC_U32
+    head[1] = k
+    head[2] = stride
+    head[3] = 0
+    if k % 2:  # the padding word after an odd count of lengths
+        head[4 + k] = 0
+    pos = meta
+    for j in range(k):
+        i = idx[j]
+        n = sizes[i]
+        head[4 + j] = hb + n
+        memcpy(out, pos, hdr, chunks[i] * hb, hb)
+        memcpy(out, pos + hb, pay, starts[i], n)
+        # The row's tail: zeros, so no stale memory goes on the wire.
+        memzero(out, pos + hb + n, stride - hb - n)
+        pos += stride
+    return pos
+
+
+def fill(
+    run: DatagramRun, sel: np.ndarray, first: int, end: int, stride: int, out: np.ndarray
+) -> None:
+    """Write the batch frame of the datagrams at positions ``sel[first:end]`` of ``run``, in
+    rows of ``stride`` bytes, into ``out`` (uint8, exactly the frame's size as
+    :func:`frame_bounds` gives it), in one compiled pass."""
+    idx = sel[first:end]
+    hb = run.header_bytes
+    if stride % 8 or (idx.shape[0] and stride < hb + int(run.sizes[idx].max())):
+        raise ValueError(f"stride {stride} does not hold every record of the frame")
+    need = meta_bytes(end - first) + (end - first) * stride
+    if out.dtype != np.uint8 or out.ndim != 1 or out.shape[0] != need:
+        raise ValueError(f"a frame of {need} bytes written into {out.dtype}{out.shape}")
+    _fill(
+        out,
+        np.frombuffer(run.hdr, dtype=np.uint8),
+        hb,
+        np.frombuffer(run.payload, dtype=np.uint8),
+        run.chunks,
+        run.starts,
+        run.sizes,
+        np.ascontiguousarray(idx, dtype=np.int64),
+        stride,
+    )
+
+
+def rows(frame: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The packets of a batch ``frame`` (1-D uint8) as ``(rows, lengths)``: a 2-D view of the
+    frame's rows and the packet lengths (int64). A frame whose layout does not add up gives
+    no rows (the caller counts it as bad)."""
+    n = frame.shape[0]
+    if n < FIXED_HEAD or frame.dtype != np.uint8 or frame.ndim != 1:
+        return _BAD
+    magic, count, stride, zero = frame[:FIXED_HEAD].view(np.uint32).tolist()
+    meta = meta_bytes(count)
+    if (
+        magic != _MAGIC_U32
+        or count == 0
+        or zero != 0
+        or stride % 8
+        or stride < HEADER_SIZE
+        or n != meta + count * stride
+    ):
+        return _BAD
+    lengths = frame[FIXED_HEAD : FIXED_HEAD + 4 * count].view(np.uint32).astype(np.int64)
+    if int(lengths.max()) > stride:
+        return _BAD
+    return frame[meta:].reshape(count, stride), lengths
 
 
 def record_count(frame: np.ndarray) -> int:
@@ -170,11 +206,14 @@ def record_count(frame: np.ndarray) -> int:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the split with the argument types the ZeroMQ plane
-    passes (a received frame's writable bytes, the endpoint's arena and int64 lengths), so a
-    collective's first batch frame does not compile it. No socket is touched."""
-    frame = np.zeros(FRAME_HEADER + RECORD_HEADER + HEADER_SIZE, dtype=np.uint8)
-    frame[:FRAME_HEADER].view(np.uint32)[:] = (_MAGIC_U32, 1)
-    frame[FRAME_HEADER : FRAME_HEADER + RECORD_HEADER].view(np.uint64)[0] = HEADER_SIZE
-    arena = np.zeros((1, HEADER_SIZE), dtype=np.uint8)
-    split(frame, FRAME_HEADER, arena, 0, np.zeros(1, dtype=np.int64))
+    """Compile (or load from numba's cache) the frame planner and filler with the argument
+    types the ZeroMQ plane passes, so a collective's first run does not compile them. No
+    socket is touched."""
+    hb = HEADER_SIZE
+    hdr = np.zeros(hb, dtype=np.uint8)
+    pay = np.zeros(8, dtype=np.uint8)
+    one = np.zeros(1, dtype=np.int64)
+    run = DatagramRun(hdr.data, hb, pay.data, one, one, one + 8, 1, one, 0)
+    sel = np.zeros(1, dtype=np.int64)
+    ((a, b, stride, total),) = frame_bounds(run, sel, BATCH_BYTES)
+    fill(run, sel, a, b, stride, np.empty(total, dtype=np.uint8))

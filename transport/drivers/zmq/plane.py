@@ -10,13 +10,13 @@ Theory of operation
 * every rank binds one PULL socket per path on its own endpoint (all peers fan in), and connects
   one PUSH socket per (peer, path) to the peers' endpoints. A frame carries gradlane packets,
   header and tag included, so the same validation runs as over UDP: a run of DATA packets for
-  one (peer, path) travels as batch frames of up to 1 MiB
+  one (peer, path) travels as batch frames of up to 4 MiB
   (:mod:`gradlane.transport.drivers.zmq.frames`: far fewer messages than one per packet; ``python
-  -m gradlane.bench.perf.allreduce --zmq-batch-compare`` times both), split back into the
-  core's arena rows by one compiled pass; a control packet is one frame;
-* one thread runs a :class:`zmq.Poller` loop (:class:`_Loop`): it drains the PULL sockets into
-  the core's batching arena (``recv(copy=False)``: each packet's bytes are copied into an arena
-  row once), runs ``handle_timer`` when ``get_timer()`` is due, sends
+  -m gradlane.bench.perf.allreduce --zmq-batch-compare`` times both), whose rows the core
+  processes where libzmq received them (no copy); a control packet is one frame;
+* one thread runs a :class:`zmq.Poller` loop (:class:`_Loop`): it drains the PULL sockets
+  (``recv(copy=False)``: a batch frame's rows go to the core in place, a lone packet is copied
+  into the core's batching arena), runs ``handle_timer`` when ``get_timer()`` is due, sends
   ``datagrams_to_send(now)`` to ``dg.peer`` on path ``dg.path``, and turns ``next_event()``
   into Future results. The poll timeout is ``get_timer() - now``, so the loop sleeps when idle;
 * other threads talk to it through :meth:`ZmqPlane.submit`: a thread-safe queue plus a wake
@@ -376,14 +376,15 @@ class _SendBuffers:
     """Batch-frame buffers of ``nbytes``, reused once ZeroMQ has sent what they held.
 
     ZeroMQ sends a zero-copy frame later, from its I/O thread, so a buffer is free again only
-    when pyzmq's ``MessageTracker`` says so. Reusing them saves what a fresh 1 MiB buffer per
-    frame would cost: a page fault per 4 KB, most of the plane's sending time. At most ``keep``
-    idle buffers are kept; a frame larger than ``nbytes`` (one oversized packet) gets its own.
+    when pyzmq's ``MessageTracker`` says so. Reusing them saves what a fresh buffer per
+    frame would cost: a page fault per 4 KB, most of the plane's sending time. Idle buffers
+    are kept up to ``keep_bytes`` (at least two); a frame larger than ``nbytes`` (one
+    oversized packet) gets its own.
     """
 
-    def __init__(self, nbytes: int, counters: dict[str, int], keep: int = 32) -> None:
+    def __init__(self, nbytes: int, counters: dict[str, int], keep_bytes: int = 64 << 20) -> None:
         self.nbytes = nbytes
-        self.keep = keep
+        self.keep = max(2, keep_bytes // nbytes)
         self._n = counters  # "send_buffers": pooled buffers made so far
         self.free: list[np.ndarray] = []
         # Sent buffers in sending order, with their trackers (None: ZeroMQ copied the frame).
@@ -433,8 +434,6 @@ class _Loop:
         self.backlog: dict[zmq.Socket[bytes], deque[tuple[bytes | memoryview, np.ndarray | None]]]
         self.backlog = {}
         self.buffers = _SendBuffers(max(batch_bytes, 1), shared.counters)
-        # Packet lengths of one split call: one arena's worth of rows at most.
-        self.lengths = np.zeros(core.rx_arena.shape[0], dtype=np.int64)
         self.poller = zmq.Poller()
         for s in pulls:
             self.poller.register(s, zmq.POLLIN)
@@ -502,28 +501,17 @@ class _Loop:
         self._deliver_events()
 
     def _receive_batch(self, buf: memoryview, path: int, now: float) -> None:
-        """Split a batch frame into the core's arena rows (see
-        :mod:`gradlane.transport.drivers.zmq.frames`); a malformed frame keeps the packets before
-        the fault and is counted."""
-        n, core = self.n, self.core
-        frame = np.frombuffer(buf, dtype=np.uint8)
-        pos, got = zmq_batch.FRAME_HEADER, 0
-        while True:
-            k, pos, state = zmq_batch.split(frame, pos, core.rx_arena, core.rx_free, self.lengths)
-            if k:
-                core.commit_datagrams(self.lengths[:k], path, now)  # processes a full arena
-                got += k
-            if state != zmq_batch.SPLIT_ARENA_FULL or k == 0:  # k == 0: no room was made
-                break
-        n["packets_in"] += got
-        if state == zmq_batch.SPLIT_MALFORMED or got != zmq_batch.record_count(frame):
+        """Hand a batch frame's rows to the core where they lie (see
+        :mod:`gradlane.transport.drivers.zmq.frames`); a malformed frame is dropped and
+        counted."""
+        n = self.n
+        rows, lengths = zmq_batch.rows(np.frombuffer(buf, dtype=np.uint8))
+        if not lengths.shape[0]:
             n["bad_frames"] += 1
-            log.debug(
-                "rank %s path %d: malformed batch frame (%d records kept)",
-                self.shared.me,
-                path,
-                got,
-            )
+            log.debug("rank %s path %d: malformed batch frame dropped", self.shared.me, path)
+            return
+        n["packets_in"] += int(lengths.shape[0])
+        self.core.receive_rows(rows, lengths, path, now)
 
     def _send_run(self, run: DatagramRun) -> None:
         """A run of DATA packets as batch frames, one series per path (ordered as in the run)."""
@@ -536,9 +524,9 @@ class _Loop:
             sel = np.flatnonzero(run.paths == q)
             n["packets_out"] += int(sel.shape[0])
             s = self.pushes[(run.peer, q)]
-            for a, b, total in zmq_batch.frame_bounds(run, sel, limit):
+            for a, b, stride, total in zmq_batch.frame_bounds(run, sel, limit):
                 buf = self.buffers.take(total)
-                zmq_batch.fill(run, sel, a, b, buf[:total])
+                zmq_batch.fill(run, sel, a, b, stride, buf[:total])
                 n["frames_out"] += 1
                 n["bytes_out"] += total
                 self._push(s, buf[:total].data, buf)  # the view keeps the buffer alive
