@@ -37,7 +37,7 @@ ZeroMQ over TCP/IPC is reliable and ordered, so :func:`zmq_config` defaults to
 ``loss_bound = 0`` (exact all-reduce), 65000-byte chunks, loss-recovery timers pushed out to
 about a second (they can only fire spuriously here) and a fixed (unpaced) rate: TCP and the
 high-water marks already do flow control. The cores are the same as
-over UDP, so ACKs still flow (about one small frame per ``ack_every`` DATA frames). That is
+over UDP, so ACKs still flow (about one small frame per received batch frame). That is
 acceptable: they cost a fraction of a percent of the bytes, they are what completes each transfer
 (the receiver's completion *is* its ACK bookkeeping), and keeping one core for both planes means
 one set of tests and no second protocol to keep in sync.
@@ -94,13 +94,17 @@ def zmq_config(**overrides: Any) -> TransportConfig:
     all pushed out to around a second. Exact all-reduce (``loss_bound = 0``); a peer that has
     not delivered after ``hard_deadline_s`` is dead or wedged, so the collective fails with
     ``PeerTimeout`` rather than completing degraded. 65000-byte chunks; a fixed, effectively
-    unlimited pacing rate, because TCP and the high-water marks already do flow control.
+    unlimited pacing rate, because TCP and the high-water marks already do flow control. An
+    ACK per 256 DATA packets (``ack_every``; the ``ack_delay_s`` timer and a transfer's
+    completion still answer every batch at once): over a wire that does not lose, ACKs only
+    complete transfers and free their sources, and each costs both loops a message.
     """
     base: dict[str, Any] = {
         "chunk_bytes": 65000,
         "min_rto_s": 1.0,
         "reorder_window_s": 1.0,
         "burst_packets": 256,
+        "ack_every": 256,
         "loss": LossConfig(
             loss_bound=0.0,
             soft_deadline_min_s=1.0,
