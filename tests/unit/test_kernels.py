@@ -903,3 +903,18 @@ def test_place_flags_exactly_the_chunks_holding_nan_or_inf(
     want = [not np.isfinite(as32[c * chunk_elems : (c + 1) * chunk_elems]).all()
             for c in range(spec.n_chunks)]  # fmt: skip
     assert nonfinite.astype(bool).tolist() == want
+
+
+@SETTINGS
+@given(st.integers(0, 300), st.integers(0, 300), st.integers(0, 300), st.integers(0, 2**32 - 1))
+def test_copy_bytes_equals_a_slice_copy_and_writes_nothing_else(a, k, pad, seed):
+    """``copy_bytes`` (one ``memcpy`` intrinsic) against the NumPy slice copy: the ``k`` bytes
+    land at the start of ``dst``, at any source offset (word-aligned or not), and the bytes
+    around them keep their values."""
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, a + k + 1, dtype=np.uint8)
+    dst = rng.integers(0, 256, k + pad + 1, dtype=np.uint8)
+    want = dst.copy()
+    want[:k] = src[a : a + k]
+    kernels.copy_bytes(dst, src, a, k)
+    np.testing.assert_array_equal(dst, want)
