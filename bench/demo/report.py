@@ -38,7 +38,9 @@ def table(out: dict[str, Any]) -> None:
     names = list(runs)
     opts = out["options"]
     cols = [LABELS.get(n, n) if n != "gradlane" else f"gradlane {opts['transport']}" for n in names]
-    line = "{:<32}" + "{:>16}" * len(names)
+    # Each column as wide as its longest cell, two spaces at least between columns.
+    width = max(16, *(len(c) + 2 for c in cols))
+    line = "{:<32}" + f"{{:>{width}}}" * len(names)
 
     def row(label: str, cells: list[str]) -> None:
         emit(line.format(label, *cells))

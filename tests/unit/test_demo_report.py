@@ -50,3 +50,10 @@ def test_a_lucky_hash_is_named_and_a_run_without_path0_prints_no_path0_line(out,
     text = capsys.readouterr().out
     assert "kept gloo's connections off the congested links" in text
     assert "against gloo on path 0" not in text
+
+
+def test_every_column_heading_stands_apart(out, capsys):
+    table(out)
+    header = next(ln for ln in capsys.readouterr().out.splitlines() if "gloo (default)" in ln)
+    cols = [c.strip() for c in header.split("  ") if c.strip()]
+    assert cols == ["gloo (default)", "gloo, path 0", "gradlane udp", "gradlane adaptive"]
