@@ -33,11 +33,14 @@ def _run(sizes: list[int], seed: int = 0, payload_shift: int = 0) -> DatagramRun
 def _pack(run: DatagramRun, sel: np.ndarray, limit: int = zb.BATCH_BYTES) -> list[np.ndarray]:
     """The batch frames of ``sel``, each in a buffer of its own (the plane reuses buffers,
     so each starts as garbage here: nothing stale may survive)."""
-    sel = np.asarray(sel, dtype=np.int64)
+    return _pack_segments([(run, np.asarray(sel, dtype=np.int64))], limit)
+
+
+def _pack_segments(segments: list, limit: int = zb.BATCH_BYTES) -> list[np.ndarray]:
     frames = []
-    for a, b, stride, total in zb.frame_bounds(run, sel, limit):
+    for a, b, stride, total in zb.frame_bounds(segments, limit):
         out = np.full(total, 0xA5, dtype=np.uint8)
-        zb.fill(run, sel, a, b, stride, out)
+        zb.fill(segments, a, b, stride, out)
         frames.append(out)
     return frames
 
@@ -94,7 +97,7 @@ def test_a_run_packed_and_viewed_gives_every_packet_in_order(shift):
 def test_the_compiled_fill_writes_the_documented_layout(sizes, limit, shift, rnd):
     run = _run(sizes, seed=len(sizes), payload_shift=shift)
     sel = np.array(rnd.sample(range(len(sizes)), len(sizes)), dtype=np.int64)
-    bounds = zb.frame_bounds(run, sel, limit)
+    bounds = zb.frame_bounds([(run, sel)], limit)
     assert [b[0] for b in bounds] == [0] + [b[1] for b in bounds[:-1]]
     assert bounds[-1][1] == len(sel)
     for (a, b, stride, total), frame in zip(bounds, _pack(run, sel, limit), strict=True):
@@ -103,6 +106,30 @@ def test_the_compiled_fill_writes_the_documented_layout(sizes, limit, shift, rnd
         assert total == zb.meta_bytes(b - a) + (b - a) * stride
         assert b - a == 1 or total <= limit  # only a lone record may exceed the limit
         assert frame.tobytes() == _reference(run, idx, stride)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2000), min_size=0, max_size=9), min_size=1, max_size=4),
+    st.integers(1, 9_000),
+)
+def test_several_runs_share_frames_in_order(runs_sizes, limit):
+    """The runs of one pass for one (peer, path) go out as one series of frames: every
+    record once, in order, frames crossing from one run into the next."""
+    runs = [_run(sizes or [1], seed=i, payload_shift=i) for i, sizes in enumerate(runs_sizes)]
+    segments = [
+        (run, np.arange(len(sizes), dtype=np.int64)[::-1].copy())
+        for run, sizes in zip(runs, runs_sizes, strict=True)
+    ]
+    want = [_packet(run, int(i)) for run, sel in segments for i in sel]
+    frames = _pack_segments(segments, limit)
+    assert _unpack(frames) == want
+    for f in frames:
+        stride = int(f[8:12].view(np.uint32)[0])
+        n = zb.record_count(f)
+        assert n == 1 or f.shape[0] <= limit
+        lengths = f[16 : 16 + 4 * n].view(np.uint32)
+        assert stride == max((int(x) + 7) & ~7 for x in lengths)
 
 
 def test_a_packet_larger_than_the_limit_gets_a_frame_of_its_own():
@@ -115,11 +142,13 @@ def test_a_packet_larger_than_the_limit_gets_a_frame_of_its_own():
 def test_fill_refuses_a_stride_or_buffer_that_does_not_fit():
     run = _run([100, 20])
     sel = np.arange(2)
-    ((a, b, stride, total),) = zb.frame_bounds(run, sel, 1 << 20)
+    seg = [(run, sel)]
+    ((a, b, stride, total),) = zb.frame_bounds(seg, 1 << 20)
+    smaller = total - 2 * 8  # two rows, each 8 bytes narrower
     with pytest.raises(ValueError, match="stride"):
-        zb.fill(run, sel, a, b, stride - 8, np.empty(total, dtype=np.uint8))
+        zb.fill(seg, a, b, stride - 8, np.empty(smaller, dtype=np.uint8))
     with pytest.raises(ValueError, match="bytes"):
-        zb.fill(run, sel, a, b, stride, np.empty(total - 8, dtype=np.uint8))
+        zb.fill(seg, a, b, stride, np.empty(total - 8, dtype=np.uint8))
 
 
 def _field(frame: np.ndarray, word: int, value: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Batch frames of the ZeroMQ data plane: a run of gradlane packets in one ZeroMQ message,
+"""Batch frames of the ZeroMQ data plane: many gradlane packets in one ZeroMQ message,
 laid out so the receiver processes them where they arrived.
 
 Theory of operation
@@ -7,8 +7,9 @@ Over TCP, a ZeroMQ message costs the plane's loop a Python call, a ``zmq.Frame``
 ZeroMQ's I/O thread whatever its size: with one message per 64 KB packet, much of the plane's
 CPU goes to the interpreter, and an all-reduce takes noticeably longer than with batch frames
 (``python -m gradlane.bench.perf.allreduce --zmq-batch-compare`` times both). So the sender
-packs each run of DATA packets for one (peer, path) into frames of up to :data:`BATCH_BYTES`
-(:func:`frame_bounds`, then one compiled :func:`fill` per frame). Control packets (ACK, NACK,
+packs the DATA packets of a pass for one (peer, path), however many runs (transfers, priority
+classes) they come in, into frames of up to :data:`BATCH_BYTES` (:func:`frame_bounds`, then
+:func:`fill`: one compiled pass per run a frame spans). Control packets (ACK, NACK,
 …) still travel one per message.
 
 A frame's packets lie one per row of a fixed width (the frame's *stride*): the receiver views
@@ -30,6 +31,8 @@ be told apart, so none is trusted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from gradlane.transport.core.events import DatagramRun
 from gradlane.transport.kernels import memcpy, memzero
@@ -39,6 +42,7 @@ from numba import njit
 __all__ = [
     "BATCH_BYTES",
     "BATCH_MAGIC",
+    "Segment",
     "fill",
     "frame_bounds",
     "is_batch",
@@ -106,19 +110,28 @@ def _bounds(rec: np.ndarray, limit: int, out: np.ndarray) -> int:
     return nf
 
 
-def frame_bounds(run: DatagramRun, sel: np.ndarray, limit: int) -> list[tuple[int, int, int, int]]:
-    """How the sender cuts the datagrams at positions ``sel`` of ``run`` into frames of at
-    most ``limit`` bytes (a datagram that alone exceeds it gets a frame of its own): per frame,
-    ``(first, end, stride, nbytes)`` over positions in ``sel``."""
-    rec = (run.header_bytes + run.sizes[sel] + 7) & ~7
+#: The datagrams at positions ``sel`` of ``run``: one stretch of a frame series' records.
+Segment = tuple[DatagramRun, np.ndarray]
+
+
+def frame_bounds(segments: Sequence[Segment], limit: int) -> list[tuple[int, int, int, int]]:
+    """How the sender cuts the records of ``segments`` (runs for one (peer, path), in order:
+    their records one after the other) into frames of at most ``limit`` bytes (a record that
+    alone exceeds it gets a frame of its own): per frame, ``(first, end, stride, nbytes)``
+    over record positions in that concatenation."""
+    rec = np.concatenate(
+        [(run.header_bytes + run.sizes[sel] + 7) & ~7 for run, sel in segments]
+        or [np.empty(0, dtype=np.int64)]
+    ).astype(np.int64, copy=False)
     out = np.empty((rec.shape[0], 4), dtype=np.int64)
     nf = _bounds(rec, limit, out)
     return [tuple(r) for r in out[:nf].tolist()]
 
 
 @njit(nogil=True, cache=True)
-def _fill(
+def _fill_rows(
     out: np.ndarray,
+    row0: int,
     hdr: np.ndarray,
     hb: int,
     pay: np.ndarray,
@@ -127,53 +140,59 @@ def _fill(
     sizes: np.ndarray,
     idx: np.ndarray,
     stride: int,
-) -> int:
-    k = idx.shape[0]
+) -> None:
+    # Rows row0, row0 + 1, ... of a frame whose head (count words) is already written.
+    head = out[:FIXED_HEAD].view(np.uint32)
+    k = np.int64(head[1])
     meta = FIXED_HEAD + ((4 * k + 7) & ~7)
-    head = out[:meta].view(np.uint32)
-    head[0] = _MAGIC_U32
-    head[1] = k
-    head[2] = stride
-    head[3] = 0
-    if k % 2:  # the padding word after an odd count of lengths
-        head[4 + k] = 0
-    pos = meta
-    for j in range(k):
+    lens = out[FIXED_HEAD : FIXED_HEAD + 4 * k].view(np.uint32)
+    pos = meta + row0 * stride
+    for j in range(idx.shape[0]):
         i = idx[j]
         n = sizes[i]
-        head[4 + j] = hb + n
+        lens[row0 + j] = hb + n
         memcpy(out, pos, hdr, chunks[i] * hb, hb)
         memcpy(out, pos + hb, pay, starts[i], n)
         # The row's tail: zeros, so no stale memory goes on the wire.
         memzero(out, pos + hb + n, stride - hb - n)
         pos += stride
-    return pos
 
 
-def fill(
-    run: DatagramRun, sel: np.ndarray, first: int, end: int, stride: int, out: np.ndarray
-) -> None:
-    """Write the batch frame of the datagrams at positions ``sel[first:end]`` of ``run``, in
-    rows of ``stride`` bytes, into ``out`` (uint8, exactly the frame's size as
-    :func:`frame_bounds` gives it), in one compiled pass."""
-    idx = sel[first:end]
-    hb = run.header_bytes
-    if stride % 8 or (idx.shape[0] and stride < hb + int(run.sizes[idx].max())):
-        raise ValueError(f"stride {stride} does not hold every record of the frame")
-    need = meta_bytes(end - first) + (end - first) * stride
-    if out.dtype != np.uint8 or out.ndim != 1 or out.shape[0] != need:
+def fill(segments: Sequence[Segment], first: int, end: int, stride: int, out: np.ndarray) -> None:
+    """Write the batch frame of records ``first .. end`` of ``segments`` (positions as in
+    :func:`frame_bounds`), in rows of ``stride`` bytes, into ``out`` (uint8, exactly the
+    frame's size as :func:`frame_bounds` gives it): one compiled pass per segment it spans."""
+    k = end - first
+    need = meta_bytes(k) + k * stride
+    if out.dtype != np.uint8 or out.ndim != 1 or out.shape[0] != need or k < 1:
         raise ValueError(f"a frame of {need} bytes written into {out.dtype}{out.shape}")
-    _fill(
-        out,
-        np.frombuffer(run.hdr, dtype=np.uint8),
-        hb,
-        np.frombuffer(run.payload, dtype=np.uint8),
-        run.chunks,
-        run.starts,
-        run.sizes,
-        np.ascontiguousarray(idx, dtype=np.int64),
-        stride,
-    )
+    if stride % 8:
+        raise ValueError(f"stride {stride} is not a multiple of 8")
+    head = out[: meta_bytes(k)].view(np.uint32)
+    head[:4] = (_MAGIC_U32, k, stride, 0)
+    head[-1] = 0  # the padding word after an odd count of lengths (else a length, rewritten)
+    base = 0  # the segment's first record position
+    for run, sel in segments:
+        a, b = max(first - base, 0), min(end - base, sel.shape[0])
+        base += sel.shape[0]
+        if a >= b:
+            continue
+        idx = np.ascontiguousarray(sel[a:b], dtype=np.int64)
+        hb = run.header_bytes
+        if stride < hb + int(run.sizes[idx].max()):
+            raise ValueError(f"stride {stride} does not hold every record of the frame")
+        _fill_rows(
+            out,
+            base - sel.shape[0] + a - first,
+            np.frombuffer(run.hdr, dtype=np.uint8),
+            hb,
+            np.frombuffer(run.payload, dtype=np.uint8),
+            run.chunks,
+            run.starts,
+            run.sizes,
+            idx,
+            stride,
+        )
 
 
 def rows(frame: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -214,6 +233,6 @@ def warm_up() -> None:
     pay = np.zeros(8, dtype=np.uint8)
     one = np.zeros(1, dtype=np.int64)
     run = DatagramRun(hdr.data, hb, pay.data, one, one, one + 8, 1, one, 0)
-    sel = np.zeros(1, dtype=np.int64)
-    ((a, b, stride, total),) = frame_bounds(run, sel, BATCH_BYTES)
-    fill(run, sel, a, b, stride, np.empty(total, dtype=np.uint8))
+    seg = [(run, np.zeros(1, dtype=np.int64))]
+    ((a, b, stride, total),) = frame_bounds(seg, BATCH_BYTES)
+    fill(seg, a, b, stride, np.empty(total, dtype=np.uint8))

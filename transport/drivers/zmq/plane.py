@@ -9,8 +9,8 @@ Theory of operation
 
 * every rank binds one PULL socket per path on its own endpoint (all peers fan in), and connects
   one PUSH socket per (peer, path) to the peers' endpoints. A frame carries gradlane packets,
-  header and tag included, so the same validation runs as over UDP: a run of DATA packets for
-  one (peer, path) travels as batch frames of up to 4 MiB
+  header and tag included, so the same validation runs as over UDP: a pass's DATA packets for
+  one (peer, path) travel as batch frames of up to 4 MiB
   (:mod:`gradlane.transport.drivers.zmq.frames`: far fewer messages than one per packet; ``python
   -m gradlane.bench.perf.allreduce --zmq-batch-compare`` times both), whose rows the core
   processes where libzmq received them (no copy); a control packet is one frame;
@@ -497,11 +497,17 @@ class _Loop:
         timer = core.get_timer()
         if timer is not None and now >= timer:
             core.handle_timer(now)
+        runs: list[DatagramRun] = []
         for item in core.datagrams_to_send(now):
             if isinstance(item, DatagramRun):
-                self._send_run(item)
+                runs.append(item)
             else:
+                if runs:  # keep each socket's order: earlier DATA before this packet
+                    self._send_runs(runs)
+                    runs = []
                 self._send(item)
+        if runs:
+            self._send_runs(runs)
         self._deliver_events()
 
     def _receive_batch(self, buf: memoryview, path: int, now: float) -> None:
@@ -517,20 +523,27 @@ class _Loop:
         n["packets_in"] += int(lengths.shape[0])
         self.core.receive_rows(rows, lengths, path, now)
 
-    def _send_run(self, run: DatagramRun) -> None:
-        """A run of DATA packets as batch frames, one series per path (ordered as in the run)."""
+    def _send_runs(self, runs: list[DatagramRun]) -> None:
+        """Runs of DATA packets as batch frames: per (peer, path), every run's packets in
+        order, framed together (a pass's transfers and priority classes share frames)."""
         n, limit = self.n, self.batch_bytes
         if limit == 0:
-            for dg in run:
-                self._send(dg)
+            for run in runs:
+                for dg in run:
+                    self._send(dg)
             return
-        for q in np.unique(run.paths).tolist():
-            sel = np.flatnonzero(run.paths == q)
-            n["packets_out"] += int(sel.shape[0])
-            s = self.pushes[(run.peer, q)]
-            for a, b, stride, total in zmq_batch.frame_bounds(run, sel, limit):
+        streams: dict[tuple[int, int], list[zmq_batch.Segment]] = {}
+        for run in runs:
+            paths = run.paths
+            for q in np.unique(paths).tolist():
+                sel = np.flatnonzero(paths == q)
+                streams.setdefault((run.peer, q), []).append((run, sel))
+                n["packets_out"] += int(sel.shape[0])
+        for key, segments in streams.items():
+            s = self.pushes[key]
+            for a, b, stride, total in zmq_batch.frame_bounds(segments, limit):
                 buf = self.buffers.take(total)
-                zmq_batch.fill(run, sel, a, b, stride, buf[:total])
+                zmq_batch.fill(segments, a, b, stride, buf[:total])
                 n["frames_out"] += 1
                 n["bytes_out"] += total
                 self._push(s, buf[:total].data, buf)  # the view keeps the buffer alive
