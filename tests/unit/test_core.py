@@ -393,25 +393,32 @@ def test_sender_report_counts_this_collective_only():
     assert reports[2].bytes_sent < 2 * reports[1].bytes_sent  # not cumulative
 
 
+class _Receiving:
+    """An endpoint on the wire whose datagrams go in through ``deliver(core, data, path,
+    now)``: another of the core's ways in, as a socket driver uses it."""
+
+    def __init__(self, core, deliver):
+        self.core, self.deliver = core, deliver
+
+    def receive_datagram(self, data, path, now):
+        self.deliver(self.core, data, path, now)
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+
 def test_zero_copy_receive_matches_receive_datagram():
     """rx_arena + commit_datagrams (the socket drivers' path) behaves as receive_datagram."""
     eps = make(2)
     wire = Wire(eps)
     datas = [np.arange(1000, dtype=np.float32) * (r + 1) for r in range(2)]
 
-    class ZeroCopy:
-        def __init__(self, core):
-            self.core = core
+    def zero_copy(core, data, path, now):
+        row = core.rx_arena[core.rx_free]
+        row[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        core.commit_datagrams(np.array([len(data)]), path, now)
 
-        def receive_datagram(self, data, path, now):
-            row = self.core.rx_arena[self.core.rx_free]
-            row[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-            self.core.commit_datagrams(np.array([len(data)]), path, now)
-
-        def __getattr__(self, name):
-            return getattr(self.core, name)
-
-    wire.endpoints = [ZeroCopy(eps[0]), eps[1]]
+    wire.endpoints = [_Receiving(eps[0], zero_copy), eps[1]]
     out = run_allreduce(eps, datas, wire)
     for r in range(2):
         np.testing.assert_array_equal(out[r].result, datas[0] + datas[1])
@@ -430,19 +437,12 @@ def test_rows_received_in_place_match_receive_datagram():
     wire = Wire(eps)
     datas = [np.arange(1000, dtype=np.float32) * (r + 1) for r in range(2)]
 
-    class Rows:
-        def __init__(self, core):
-            self.core = core
+    def in_rows(core, data, path, now):
+        rows = np.zeros((1, (len(data) + 7) & ~7), dtype=np.uint8)  # a fresh buffer each
+        rows[0, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        core.receive_rows(rows, np.array([len(data)]), path, now)
 
-        def receive_datagram(self, data, path, now):
-            rows = np.zeros((1, (len(data) + 7) & ~7), dtype=np.uint8)  # a fresh buffer each
-            rows[0, : len(data)] = np.frombuffer(data, dtype=np.uint8)
-            self.core.receive_rows(rows, np.array([len(data)]), path, now)
-
-        def __getattr__(self, name):
-            return getattr(self.core, name)
-
-    wire.endpoints = [Rows(eps[0]), eps[1]]
+    wire.endpoints = [_Receiving(eps[0], in_rows), eps[1]]
     out = run_allreduce(eps, datas, wire)
     for r in range(2):
         np.testing.assert_array_equal(out[r].result, datas[0] + datas[1])

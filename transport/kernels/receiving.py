@@ -36,6 +36,14 @@ from gradlane.transport.wire.header import (
     TransferSpec,
 )
 
+# _spec writes the fields in index order, one array: the layout it relies on.
+assert tuple(range(_vd.SPEC_LEN)) == (
+    _vd.S_JOB, _vd.S_ME, _vd.S_WORLD, _vd.S_STEP_LO, _vd.S_STEP_HI, _vd.S_N_BUCKETS,
+    _vd.S_MAX_DATAGRAM, _vd.S_MODE, _vd.S_T_STEP, _vd.S_T_BUCKET, _vd.S_T_SHARD, _vd.S_T_PHASE,
+    _vd.S_T_DTYPE, _vd.S_T_N_ELEMS, _vd.S_T_CHUNK_ELEMS, _vd.S_T_SRC_LO, _vd.S_T_SRC_HI,
+    _vd.S_T_N_CHUNKS,
+), "spec layout changed"  # fmt: skip
+
 
 @lru_cache(maxsize=256)
 def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -52,25 +60,13 @@ def _spec(session: SessionSpec, transfer: TransferSpec) -> tuple[np.ndarray, np.
             "0 <= src_lo < src_hi <= 65536"
         )
     mode, key = _key_parts(session.key)
-    spec = np.zeros(_vd.SPEC_LEN, dtype=np.int64)
-    spec[_vd.S_JOB] = session.job
-    spec[_vd.S_ME] = session.me
-    spec[_vd.S_WORLD] = session.world
-    spec[_vd.S_STEP_LO] = session.step_lo
-    spec[_vd.S_STEP_HI] = session.step_hi
-    spec[_vd.S_N_BUCKETS] = session.n_buckets
-    spec[_vd.S_MAX_DATAGRAM] = session.max_datagram
-    spec[_vd.S_MODE] = mode
-    spec[_vd.S_T_STEP] = transfer.step
-    spec[_vd.S_T_BUCKET] = transfer.bucket
-    spec[_vd.S_T_SHARD] = transfer.shard
-    spec[_vd.S_T_PHASE] = transfer.phase
-    spec[_vd.S_T_DTYPE] = transfer.dtype
-    spec[_vd.S_T_N_ELEMS] = transfer.n_elems
-    spec[_vd.S_T_CHUNK_ELEMS] = transfer.chunk_elems
-    spec[_vd.S_T_SRC_LO] = transfer.src_lo
-    spec[_vd.S_T_SRC_HI] = transfer.src_hi
-    spec[_vd.S_T_N_CHUNKS] = transfer.n_chunks
+    t = transfer
+    spec = np.array(
+        (session.job, session.me, session.world, session.step_lo, session.step_hi,
+         session.n_buckets, session.max_datagram, mode, t.step, t.bucket, t.shard, t.phase,
+         t.dtype, t.n_elems, t.chunk_elems, t.src_lo, t.src_hi, t.n_chunks),
+        dtype=np.int64,
+    )  # fmt: skip
     spec.flags.writeable = False
     return spec, key
 
