@@ -343,6 +343,71 @@ def test_gro_hands_the_arena_every_datagram_of_coalesced_runs():
     assert c.gro_messages >= 2 and c.rx_errors == 0
 
 
+class _TurningArena:
+    """An endpoint's receive side that moves to its other arena when a commit fills one, as
+    the endpoint does when held early data leaves too few rows: what each commit names is read
+    from the arena that was current when the rows were filled."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.arenas = [np.zeros((rows, width), dtype=np.uint8) for _ in range(2)]
+        self.rx_arena = self.arenas[0]
+        self.rx_free = 0
+        self.got: list[bytes] = []
+        self.turns = 0
+
+    def commit_datagrams(self, lengths: np.ndarray, path: int, now: float) -> None:
+        a = self.rx_free
+        assert a + len(lengths) <= self.rx_arena.shape[0]
+        self.got.extend(self.rx_arena[a + i, :k].tobytes() for i, k in enumerate(lengths))
+        self.rx_free = a + len(lengths)
+        if self.rx_free == self.rx_arena.shape[0]:  # full: the next rows are another arena's
+            self.rx_arena[:] = 0xEE  # what a stale row pointer would read back
+            self.rx_arena = self.arenas[self.turns % 2 == 0]
+            self.rx_free = 0
+            self.turns += 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["recvmmsg", "recv_into", "gro"])
+def test_the_read_paths_follow_an_arena_that_changes_with_a_commit(monkeypatch, mode):
+    """Within one wakeup's reads, the arena the core hands out may change at each commit (the
+    endpoint's held early data moves the next batches to another arena): every path fills the
+    rows of the arena current at that moment, so each datagram is committed byte for byte and
+    in order, whichever arena its rows are in."""
+    import asyncio
+
+    if mode == "gro" and not _gso_here():
+        pytest.skip("this kernel has no UDP GSO")
+    if mode == "recv_into":
+        monkeypatch.setattr(_mmsg, "AVAILABLE", False)
+    n = 45
+    run, want = _kilobyte_run(n, 21, np.zeros(n, dtype=np.int64), last=123)
+    arena = _TurningArena(8, 1100)
+
+    async def go() -> udp.UdpCounters:
+        rx = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
+                          bufsize=1 << 20, arena=arena, gro=mode == "gro")  # fmt: skip
+        tx = udp.UdpPaths(lambda: memoryview(bytearray(2048)), lambda *a: None, lambda: None,
+                          bufsize=1 << 20, gso=mode == "gro")  # fmt: skip
+        try:
+            (addr,) = await rx.open([("127.0.0.1", 0)])
+            await tx.open([("127.0.0.1", 0)])
+            tx.set_peers([[addr]])
+            tx.send([run])
+            for _ in range(100):  # every datagram is on the socket already
+                rx.poll()
+                if len(arena.got) >= n:
+                    break
+            return rx.counters
+        finally:
+            await rx.wait_closed()
+            await tx.wait_closed()
+
+    c = asyncio.run(go())
+    assert arena.got == want
+    assert arena.turns == n // 8 and c.rx_datagrams == n and c.rx_errors == 0
+
+
 def test_a_datagram_longer_than_a_row_reads_as_oversized(pair):
     rx, tx = pair
     for size in (100, 5000, 4096):

@@ -125,8 +125,8 @@ def test_tiny_early_datagrams_count_what_they_occupy():
 
 
 def _in_place(ep, h) -> bool:
-    """The held rows are the endpoint's own arena (not a copy)."""
-    return np.shares_memory(h.arena, ep.rx_arena)
+    """The held rows are in one of the endpoint's own arenas (not a copy)."""
+    return any(np.shares_memory(h.arena, a) for a in ep._arenas)
 
 
 def _held(rx) -> list:
@@ -160,33 +160,65 @@ def test_early_data_is_held_in_place_and_never_overwritten():
     assert sum(out[0].report.sender.retransmitted) == 0  # rank 0 resent nothing
 
 
-def test_early_data_is_copied_once_the_arena_has_no_room_to_spare():
-    """Held batches stay in place only while at least MIN_ROOM rows are left above them for
-    the next batches; early data beyond that is copied out, and everything stays exact."""
+def _pile_up_early(eps, datas, until) -> int:
+    """Collectives rank 1 has not started, one after another (their data held early), until
+    ``until(held)``; every batch leaves room for the next. Returns the last step."""
     from gradlane.transport.core.endpoint import MIN_ROOM, RX_BATCH
 
-    rng = np.random.default_rng(8)
-    datas = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
-    eps = _ranks()
     ep = eps[1].endpoint
     _early_into_rank1(eps, datas[0])
     step = 1
-    while all(
-        _in_place(ep, h) for h in _held(ep.receiver)
-    ):  # more collectives rank 1 has not started
+    while not until(_held(ep.receiver)):
         step += 1
-        assert step < RX_BATCH
+        assert step < 60  # within the receiver's step window
         eps[0].start(step, 0, datas[0], 0.5, 0.0)
         for dg in flat(eps[0].datagrams_to_send(0.0)):
             ep.receive_datagram(dg.wire(), dg.path, 0.0)
         ep.datagrams_to_send(0.0)
         assert RX_BATCH - ep.rx_free >= MIN_ROOM  # room for the next batch, always
+    return step
+
+
+def test_early_data_moves_to_another_arena_before_it_is_copied():
+    """Held batches stay in place while at least MIN_ROOM rows are left above them; then the
+    next batches go to an arena that holds nothing, up to RX_ARENAS of them, and only then is
+    early data copied out. Everything stays exact, and the copies are counted."""
+    from gradlane.transport.core.endpoint import RX_ARENAS
+
+    rng = np.random.default_rng(8)
+    # ~94 datagrams a step: every arena fills well within the receiver's step window
+    datas = [rng.standard_normal(12000).astype(np.float32) for _ in range(2)]
+    eps = _ranks()
+    ep = eps[1].endpoint
+    first = ep.rx_arena
+    _pile_up_early(eps, datas, lambda held: not all(_in_place(ep, h) for h in held))
     held = _held(ep.receiver)
-    assert any(_in_place(ep, h) for h in held) and not _in_place(ep, held[-1])  # copied
+    assert ep.stats()["rx_arenas"] == RX_ARENAS and ep.rx_arena is not first
+    # every arena holds some batch in place, and the newest early data is a copy
+    for a in ep._arenas:
+        assert any(np.shares_memory(h.arena, a) for h in held)
+    assert not _in_place(ep, held[-1]) and ep.stats()["early_copied"] == held[-1].rows.shape[0]
     assert ep.receiver.early_bytes == sum(h.nbytes for h in held)
     out = _finish(eps, datas)  # step 1: its data held in place, replayed
     for r in range(2):
         np.testing.assert_allclose(out[r].result, datas[0] + datas[1], rtol=1e-6)
+
+
+def test_one_arena_when_the_early_budget_has_no_room_for_another():
+    """The extra arenas come out of early_buffer_bytes: with a budget smaller than an arena,
+    there is one, and early data beyond its spare rows is copied out (and counted)."""
+    from gradlane.transport.core.endpoint import RX_BATCH
+
+    rng = np.random.default_rng(8)
+    datas = [rng.standard_normal(12000).astype(np.float32) for _ in range(2)]
+    eps = _ranks()
+    slot = eps[1].endpoint.config.slot_bytes
+    eps = _ranks(early_buffer_bytes=RX_BATCH * slot - 1)
+    ep = eps[1].endpoint
+    first = ep.rx_arena
+    _pile_up_early(eps, datas, lambda held: not all(_in_place(ep, h) for h in held))
+    assert ep.rx_arena is first and ep.stats()["rx_arenas"] == 1
+    assert ep.stats()["early_copied"] > 0
 
 
 def test_a_start_sends_before_it_processes_waiting_input():

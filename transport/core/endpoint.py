@@ -73,8 +73,15 @@ log = logging.getLogger(__name__)
 #: early datagrams) copy the early data that does not fit in place.
 RX_BATCH = 512
 #: Fewest arena rows left above a batch whose early data the receiver may hold in place: the
-#: next batches go there (beyond it, early data is copied out of the arena).
+#: next batches go there, or into another arena (below).
 MIN_ROOM = 64
+#: Most receive arenas an endpoint keeps. Batches the receiver holds in place (early data) keep
+#: their rows; once fewer than ``MIN_ROOM`` rows are left above them, the next batches go into
+#: an arena that holds nothing (made on first need, then reused), so early data is copied out
+#: only while every arena holds some. Copying it cost a 4-rank all-reduce a few ms of CPU per
+#: rank (tens of MB of early rows: peers a scatter phase ahead). The extra arenas come out of
+#: ``early_buffer_bytes``, the budget for early data: at most that many bytes of them.
+RX_ARENAS = 4
 _OK = int(Reason.OK)  # an int: comparing arrays with an enum member takes NumPy's slow path
 _UNEXPECTED_KIND = int(Reason.UNEXPECTED_KIND)
 _BITMAP_RANGE = int(Reason.BITMAP_RANGE)
@@ -120,13 +127,18 @@ class Endpoint:
             me, world, cfg, self.loss, self._encode_to, self._events.append, control_tos
         )
         self._rx = np.zeros((RX_BATCH, cfg.slot_bytes), dtype=np.uint8)
+        # Every arena made so far (the current one is _rx, number _arena), and how many there
+        # may be (see RX_ARENAS).
+        self._arenas = [self._rx]
+        self._arena = 0
+        self._max_arenas = max(1, min(RX_ARENAS, 1 + cfg.early_buffer_bytes // self._rx.nbytes))
         self._rx_len = np.zeros(RX_BATCH, dtype=np.int64)  # as the receive kernels read them
         self._rx_path = np.zeros(RX_BATCH, dtype=np.int64)
         self._rx_n = 0  # the next free row
         self._rx_base = 0  # the current batch's first row (above rows held in place)
-        # Batches the receiver holds in place (early data): (end row, weak reference to the
-        # batch's arena view, which the receiver keeps for as long as it holds the rows).
-        self._pins: list[tuple[int, weakref.ref[np.ndarray]]] = []
+        # Batches the receiver holds in place (early data): (arena number, end row, weak
+        # reference to the batch's arena view, which the receiver keeps while it holds the rows).
+        self._pins: list[tuple[int, int, weakref.ref[np.ndarray]]] = []
         self._batch_key = np.zeros(4, dtype=np.int64)  # frame_rows' key of a batch's DATA
         self._rx_first = 0.0
         # Batches processed so far: a driver that saw this count at the end of its last pass
@@ -157,7 +169,8 @@ class Endpoint:
     def rx_arena(self) -> np.ndarray:
         """The receive arena: one datagram per row, ``slot_bytes`` wide. The free rows are
         ``rx_arena[rx_free:]``: fill some of them from the first, then
-        :meth:`commit_datagrams`. The rows are only valid until then."""
+        :meth:`commit_datagrams`. The rows are only valid until then, and the arena itself may
+        change with a commit (held early data keeps its rows): read it again after each."""
         return self._rx
 
     @property
@@ -332,8 +345,10 @@ class Endpoint:
             "late": self.receiver.late,
             "early_dropped": self.receiver.early_dropped,
             "early_expired": self.receiver.early_expired,
+            "early_copied": self.receiver.early_copied,
             "early_control_dropped": self.receiver.early_control_dropped,
             "burst_cuts": self.sender.burst_cuts,
+            "rx_arenas": len(self._arenas),
             # The newest rejected packets (duplicates aside) and what they claimed to be.
             "rejected_recent": list(self.receiver.rejected_recent),
         }
@@ -393,19 +408,38 @@ class Endpoint:
         self._rx_n = b  # a flush nested in this one finds nothing to do
         self.batches += 1
         arena = self._rx[b:e]
-        # Early data may stay in place only if the rows above this batch leave room for the
-        # next ones; otherwise the receiver copies it out of the arena.
-        pin = RX_BATCH - e >= MIN_ROOM
+        # Early data may stay in place only if the next batches have room: above this one, or
+        # in an arena that holds nothing; otherwise the receiver copies it out of the arena.
+        pin = RX_BATCH - e >= MIN_ROOM or self._spare_arena(make=False) is not None
         if self._process(arena, self._rx_len[b:e], self._rx_path[b:e], now, pin):
-            self._pins.append((e, weakref.ref(arena)))
+            self._pins.append((self._arena, e, weakref.ref(arena)))
         del arena
         if self._drained_at is not None:
             self.receiver.note_drained(self._drained_at)
             self._drained_at = None
-        # The next batch starts above every batch the receiver still holds in place (it
-        # drops a held batch when its collective starts or the data expires), else at the top.
-        self._pins = [(end, ref) for end, ref in self._pins if ref() is not None]
-        self._rx_base = self._rx_n = max((end for end, _ in self._pins), default=0)
+        # The next batch starts above every batch the receiver still holds in place in this
+        # arena (it drops a held batch when its collective starts or the data expires), else
+        # at the top; with too few rows left there, at the top of an arena that holds nothing.
+        self._pins = [pin for pin in self._pins if pin[2]() is not None]
+        top = max((end for a, end, _ in self._pins if a == self._arena), default=0)
+        if RX_BATCH - top < MIN_ROOM:
+            spare = self._spare_arena(make=True)
+            if spare is not None:
+                self._arena, self._rx, top = spare, self._arenas[spare], 0
+        self._rx_base = self._rx_n = top
+
+    def _spare_arena(self, make: bool) -> int | None:
+        """The number of an arena other than the current one that holds no batch in place
+        (with ``make``, a new one when none does and fewer than the most are made), or None."""
+        held = {a for a, _, ref in self._pins if ref() is not None}
+        for i in range(len(self._arenas)):
+            if i != self._arena and i not in held:
+                return i
+        if len(self._arenas) >= self._max_arenas:
+            return None
+        if make:
+            self._arenas.append(np.zeros_like(self._rx))
+        return len(self._arenas) - (1 if make else 0)
 
     def _process(
         self, arena: np.ndarray, lengths: np.ndarray, paths: np.ndarray, now: float, pin: bool

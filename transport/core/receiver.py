@@ -132,6 +132,7 @@ class ReceiverCore:
         self.early_control_bytes = 0
         self._early_at: dict[InKey, float] = {}  # when each transfer's first early data came
         self.early_expired = 0
+        self.early_copied = 0  # early DATA rows copied out of the arena (not held in place)
         self.early_control_dropped = 0
         self.counters = np.zeros(N_REASONS, dtype=np.int64)
         # The newest rejected packets (duplicates aside), what each claimed to be: the counters
@@ -403,6 +404,7 @@ class ReceiverCore:
             )
         else:
             held = self._copied(arena, paths, rows, sizes, width)
+            self.early_copied += int(rows.shape[0])
         self.early.setdefault(key, []).append(held)
         self._early_at.setdefault(key, now)
         self.early_bytes += held.nbytes

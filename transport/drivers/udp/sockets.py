@@ -78,6 +78,9 @@ READ_BURST = 128
 """Most datagrams read from one socket per wakeup (then the driver runs: ACKs go out). Large
 enough for few, large batches through the core, whose cost is mostly per batch; two paths'
 bursts (256 rows) still leave half the endpoint's 512-row arena free."""
+RX_TABLES = 8
+"""``recvmmsg`` tables kept, one per receive arena (the core uses a few: see
+``gradlane.transport.core.endpoint.RX_ARENAS``)."""
 GRO_MAX_ROW = 4096
 """Receive with UDP GRO only where the arena's rows (datagrams) are at most this wide."""
 MERGE_ROWS = 16
@@ -214,7 +217,7 @@ class UdpPaths:
         self._bufsize = bufsize
         self._arena = arena
         self._batched = _mmsg.AVAILABLE  # recvmmsg (read at creation, as tests switch it)
-        self._rx_table: _mmsg.RecvTable | None = None
+        self._rx_tables: list[_mmsg.RecvTable] = []  # see _recv_table
         self._rx_views: list[memoryview] = []  # one per arena row, for recv_into
         self._rx_views_of: np.ndarray | None = None  # the arena they are views of
         self._rx_lengths = np.zeros(READ_BURST, dtype=np.int64)
@@ -557,16 +560,17 @@ class UdpPaths:
     def _read_rows(self, sock: socket.socket, path: int, arena: RxArena) -> int:
         """``_read`` where ``recvmmsg`` is missing: one ``recv_into`` per arena row, each
         burst's rows committed together (as :meth:`_read_many` commits a call's)."""
-        rows = arena.rx_arena
-        views = self._rx_views
-        if self._rx_views_of is not rows:
-            views = self._rx_views = [row.data for row in rows]
-            self._rx_views_of = rows
         lengths = self._rx_lengths
         c = self.counters
         now = time.monotonic()  # one reading per burst: the burst arrived together
-        got, n_rows, more = 0, rows.shape[0], True
+        got, more = 0, True
         while more and got < READ_BURST:
+            rows = arena.rx_arena  # again after each commit: the core may change arenas
+            views = self._rx_views
+            if self._rx_views_of is not rows:
+                views = self._rx_views = [row.data for row in rows]
+                self._rx_views_of = rows
+            n_rows = rows.shape[0]
             first = arena.rx_free
             room = min(READ_BURST - got, n_rows - first)
             k = 0
@@ -592,16 +596,13 @@ class UdpPaths:
 
     def _read_many(self, sock: socket.socket, path: int, arena: RxArena) -> int:
         """``_read`` with ``recvmmsg``: many datagrams per system call, committed together."""
-        table = self._rx_table
-        rows = arena.rx_arena
-        if table is None or table.arena is not rows:
-            table = self._rx_table = _mmsg.RecvTable(rows)
         c = self.counters
         now = time.monotonic()  # one reading per burst: the burst arrived together
-        fd, got, n_rows = sock.fileno(), 0, rows.shape[0]
+        fd, got = sock.fileno(), 0
         while got < READ_BURST:
+            table = self._recv_table(arena.rx_arena)  # after each commit: arenas may change
             first = arena.rx_free
-            room = min(READ_BURST - got, n_rows - first)
+            room = min(READ_BURST - got, table.arena.shape[0] - first)
             lengths, err = table.receive(fd, first, room)
             if err:  # e.g. an ICMP error queued on the socket: count, go on
                 c.rx_errors += 1
@@ -618,6 +619,19 @@ class UdpPaths:
                 break
         return got
 
+    def _recv_table(self, rows: np.ndarray) -> _mmsg.RecvTable:
+        """The ``recvmmsg`` table over ``rows`` (one per arena the core has used, most recent
+        first: the core returns to the same few)."""
+        tables = self._rx_tables
+        for i, table in enumerate(tables):
+            if table.arena is rows:
+                if i:
+                    tables.insert(0, tables.pop(i))
+                return table
+        tables.insert(0, _mmsg.RecvTable(rows))
+        del tables[RX_TABLES:]
+        return tables[0]
+
     def _read_gro(self, sock: socket.socket, path: int, arena: RxArena) -> int:
         """``_read_many`` with UDP GRO: up to ``READ_BURST`` messages (each a run of coalesced
         datagrams, or one) through the staging rows, split into the arena's rows. Returns the
@@ -626,8 +640,7 @@ class UdpPaths:
         table = self._gro_table
         if table is None:
             table = self._gro_table = _mmsg.GroTable()
-        rows = arena.rx_arena
-        n_rows = rows.shape[0]
+        n_rows = arena.rx_arena.shape[0]
         if self._gro_lengths.shape[0] != n_rows:
             self._gro_lengths = np.zeros(n_rows, dtype=np.int64)
         out = self._gro_lengths
@@ -647,8 +660,8 @@ class UdpPaths:
             c.gro_messages += int(np.count_nonzero((seg > 0) & (seg < table.lengths[:k])))
             m = s = 0
             while m < k:
-                first = arena.rx_free
-                w, m, s = table.split(k, m, s, rows, first, out)
+                first = arena.rx_free  # and its arena, again after each commit
+                w, m, s = table.split(k, m, s, arena.rx_arena, first, out)
                 if w == 0:  # no free row: cannot happen (a full arena is processed at once)
                     c.rx_errors += 1
                     break
