@@ -78,9 +78,9 @@ MIN_ROOM = 64
 #: Most receive arenas an endpoint keeps. Batches the receiver holds in place (early data) keep
 #: their rows; once fewer than ``MIN_ROOM`` rows are left above them, the next batches go into
 #: an arena that holds nothing (made on first need, then reused), so early data is copied out
-#: only while every arena holds some. Copying it cost a 4-rank all-reduce a few ms of CPU per
-#: rank (tens of MB of early rows: peers a scatter phase ahead). The extra arenas come out of
-#: ``early_buffer_bytes``, the budget for early data: at most that many bytes of them.
+#: only while every arena holds some (a rank its peers are a scatter phase ahead of would copy a
+#: few MB per collective, memory-bound). The extra arenas come out of ``early_buffer_bytes``,
+#: the budget for early data: at most that many bytes of them.
 RX_ARENAS = 4
 _OK = int(Reason.OK)  # an int: comparing arrays with an enum member takes NumPy's slow path
 _UNEXPECTED_KIND = int(Reason.UNEXPECTED_KIND)
@@ -420,7 +420,7 @@ class Endpoint:
         # The next batch starts above every batch the receiver still holds in place in this
         # arena (it drops a held batch when its collective starts or the data expires), else
         # at the top; with too few rows left there, at the top of an arena that holds nothing.
-        self._pins = [pin for pin in self._pins if pin[2]() is not None]
+        self._pins = [p for p in self._pins if p[2]() is not None]
         top = max((end for a, end, _ in self._pins if a == self._arena), default=0)
         if RX_BATCH - top < MIN_ROOM:
             spare = self._spare_arena(make=True)
@@ -429,8 +429,9 @@ class Endpoint:
         self._rx_base = self._rx_n = top
 
     def _spare_arena(self, make: bool) -> int | None:
-        """The number of an arena other than the current one that holds no batch in place
-        (with ``make``, a new one when none does and fewer than the most are made), or None."""
+        """The number of an arena other than the current one that holds no batch in place, or
+        of a new one when none does and fewer than the most are made (made with ``make``, else
+        the number it would get), or None."""
         held = {a for a, _, ref in self._pins if ref() is not None}
         for i in range(len(self._arenas)):
             if i != self._arena and i not in held:
