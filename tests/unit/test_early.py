@@ -160,15 +160,16 @@ def test_early_data_is_held_in_place_and_never_overwritten():
     assert sum(out[0].report.sender.retransmitted) == 0  # rank 0 resent nothing
 
 
-def _pile_up_early(eps, datas, until) -> int:
+def _pile_up_early(eps, datas) -> int:
     """Collectives rank 1 has not started, one after another (their data held early), until
-    ``until(held)``; every batch leaves room for the next. Returns the last step."""
+    some early data is a copy, not held in place; every batch leaves room for the next.
+    Returns the last step."""
     from gradlane.transport.core.endpoint import MIN_ROOM, RX_BATCH
 
     ep = eps[1].endpoint
     _early_into_rank1(eps, datas[0])
     step = 1
-    while not until(_held(ep.receiver)):
+    while all(_in_place(ep, h) for h in _held(ep.receiver)):
         step += 1
         assert step < 60  # within the receiver's step window
         eps[0].start(step, 0, datas[0], 0.5, 0.0)
@@ -191,7 +192,7 @@ def test_early_data_moves_to_another_arena_before_it_is_copied():
     eps = _ranks()
     ep = eps[1].endpoint
     first = ep.rx_arena
-    _pile_up_early(eps, datas, lambda held: not all(_in_place(ep, h) for h in held))
+    _pile_up_early(eps, datas)
     held = _held(ep.receiver)
     assert ep.stats()["rx_arenas"] == RX_ARENAS and ep.rx_arena is not first
     # every arena holds some batch in place, and the newest early data is a copy
@@ -211,12 +212,11 @@ def test_one_arena_when_the_early_budget_has_no_room_for_another():
 
     rng = np.random.default_rng(8)
     datas = [rng.standard_normal(12000).astype(np.float32) for _ in range(2)]
-    eps = _ranks()
-    slot = eps[1].endpoint.config.slot_bytes
+    slot = TransportConfig(chunk_bytes=256).slot_bytes  # _ranks' datagrams
     eps = _ranks(early_buffer_bytes=RX_BATCH * slot - 1)
     ep = eps[1].endpoint
     first = ep.rx_arena
-    _pile_up_early(eps, datas, lambda held: not all(_in_place(ep, h) for h in held))
+    _pile_up_early(eps, datas)
     assert ep.rx_arena is first and ep.stats()["rx_arenas"] == 1
     assert ep.stats()["early_copied"] > 0
 
