@@ -90,6 +90,12 @@ _BITMAP_RANGE = int(Reason.BITMAP_RANGE)
 _Handler = Callable[[bytes, dict[str, int], int, float], int]
 
 
+def _arena_of(ref: weakref.ref[np.ndarray]) -> np.ndarray | None:
+    """The arena a held batch's view is of (None once the receiver let it go)."""
+    view = ref()
+    return None if view is None else view.base
+
+
 class Endpoint:
     """Sender and receiver of one rank, behind the sans-I/O driver API."""
 
@@ -127,18 +133,17 @@ class Endpoint:
             me, world, cfg, self.loss, self._encode_to, self._events.append, control_tos
         )
         self._rx = np.zeros((RX_BATCH, cfg.slot_bytes), dtype=np.uint8)
-        # Every arena made so far (the current one is _rx, number _arena), and how many there
-        # may be (see RX_ARENAS).
+        # Every arena made so far (the current one is _rx), and how many there may be (see
+        # RX_ARENAS).
         self._arenas = [self._rx]
-        self._arena = 0
         self._max_arenas = max(1, min(RX_ARENAS, 1 + cfg.early_buffer_bytes // self._rx.nbytes))
         self._rx_len = np.zeros(RX_BATCH, dtype=np.int64)  # as the receive kernels read them
         self._rx_path = np.zeros(RX_BATCH, dtype=np.int64)
         self._rx_n = 0  # the next free row
         self._rx_base = 0  # the current batch's first row (above rows held in place)
-        # Batches the receiver holds in place (early data): (arena number, end row, weak
-        # reference to the batch's arena view, which the receiver keeps while it holds the rows).
-        self._pins: list[tuple[int, int, weakref.ref[np.ndarray]]] = []
+        # Batches the receiver holds in place (early data): (end row, weak reference to the
+        # batch's view of its arena, which the receiver keeps while it holds the rows).
+        self._pins: list[tuple[int, weakref.ref[np.ndarray]]] = []
         self._batch_key = np.zeros(4, dtype=np.int64)  # frame_rows' key of a batch's DATA
         self._rx_first = 0.0
         # Batches processed so far: a driver that saw this count at the end of its last pass
@@ -410,9 +415,9 @@ class Endpoint:
         arena = self._rx[b:e]
         # Early data may stay in place only if the next batches have room: above this one, or
         # in an arena that holds nothing; otherwise the receiver copies it out of the arena.
-        pin = RX_BATCH - e >= MIN_ROOM or self._spare_arena(make=False) is not None
+        pin = RX_BATCH - e >= MIN_ROOM or self._spare_arena() is not None
         if self._process(arena, self._rx_len[b:e], self._rx_path[b:e], now, pin):
-            self._pins.append((self._arena, e, weakref.ref(arena)))
+            self._pins.append((e, weakref.ref(arena)))
         del arena
         if self._drained_at is not None:
             self.receiver.note_drained(self._drained_at)
@@ -420,27 +425,26 @@ class Endpoint:
         # The next batch starts above every batch the receiver still holds in place in this
         # arena (it drops a held batch when its collective starts or the data expires), else
         # at the top; with too few rows left there, at the top of an arena that holds nothing.
-        self._pins = [p for p in self._pins if p[2]() is not None]
-        top = max((end for a, end, _ in self._pins if a == self._arena), default=0)
+        self._pins = [(end, ref) for end, ref in self._pins if ref() is not None]
+        top = max((end for end, ref in self._pins if _arena_of(ref) is self._rx), default=0)
         if RX_BATCH - top < MIN_ROOM:
-            spare = self._spare_arena(make=True)
+            spare = self._spare_arena()
             if spare is not None:
-                self._arena, self._rx, top = spare, self._arenas[spare], 0
+                self._rx, top = spare, 0
         self._rx_base = self._rx_n = top
 
-    def _spare_arena(self, make: bool) -> int | None:
-        """The number of an arena other than the current one that holds no batch in place, or
-        of a new one when none does and fewer than the most are made (made with ``make``, else
-        the number it would get), or None."""
-        held = {a for a, _, ref in self._pins if ref() is not None}
-        for i in range(len(self._arenas)):
-            if i != self._arena and i not in held:
-                return i
+    def _spare_arena(self) -> np.ndarray | None:
+        """An arena other than the current one that holds no batch in place (a new one when
+        none does and fewer than the most are made: untouched, it takes no memory yet), or
+        None."""
+        held = {id(_arena_of(ref)) for _, ref in self._pins}
+        for a in self._arenas:
+            if a is not self._rx and id(a) not in held:
+                return a
         if len(self._arenas) >= self._max_arenas:
             return None
-        if make:
-            self._arenas.append(np.zeros_like(self._rx))
-        return len(self._arenas) - (1 if make else 0)
+        self._arenas.append(np.zeros_like(self._rx))
+        return self._arenas[-1]
 
     def _process(
         self, arena: np.ndarray, lengths: np.ndarray, paths: np.ndarray, now: float, pin: bool

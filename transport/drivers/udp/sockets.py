@@ -217,7 +217,7 @@ class UdpPaths:
         self._bufsize = bufsize
         self._arena = arena
         self._batched = _mmsg.AVAILABLE  # recvmmsg (read at creation, as tests switch it)
-        self._rx_tables: list[_mmsg.RecvTable] = []  # see _recv_table
+        self._rx_tables: dict[int, _mmsg.RecvTable] = {}  # see _recv_table
         self._rx_views: list[memoryview] = []  # one per arena row, for recv_into
         self._rx_views_of: np.ndarray | None = None  # the arena they are views of
         self._rx_lengths = np.zeros(READ_BURST, dtype=np.int64)
@@ -620,17 +620,14 @@ class UdpPaths:
         return got
 
     def _recv_table(self, rows: np.ndarray) -> _mmsg.RecvTable:
-        """The ``recvmmsg`` table over ``rows`` (one per arena the core has used, most recent
-        first: the core returns to the same few)."""
-        tables = self._rx_tables
-        for i, table in enumerate(tables):
-            if table.arena is rows:
-                if i:
-                    tables.insert(0, tables.pop(i))
-                return table
-        tables.insert(0, _mmsg.RecvTable(rows))
-        del tables[RX_TABLES:]
-        return tables[0]
+        """The ``recvmmsg`` table over ``rows``, one per arena the core has used (it returns
+        to the same few; each table keeps its arena alive, so the key stays its own)."""
+        table = self._rx_tables.get(id(rows))
+        if table is None:
+            if len(self._rx_tables) >= RX_TABLES:
+                self._rx_tables.clear()
+            table = self._rx_tables[id(rows)] = _mmsg.RecvTable(rows)
+        return table
 
     def _read_gro(self, sock: socket.socket, path: int, arena: RxArena) -> int:
         """``_read_many`` with UDP GRO: up to ``READ_BURST`` messages (each a run of coalesced
