@@ -234,11 +234,12 @@ class PathSet:
         own delay without the queueing and scheduling that inflate the smoothed RTT."""
         return self._min_rtt.copy()
 
-    def rtt_bounds(self) -> np.ndarray:
-        """Per path: the smoothed RTT plus four deviations (RFC 6298's RTO before its floor and
-        backoff), 0 before the first sample — how long a packet may take while the path's queue
-        varies, where the smoothed RTT is its average and lags a queue that grows."""
-        return np.nan_to_num(self._srtt + 4.0 * np.nan_to_num(self._rttvar), nan=0.0)
+    def rtt_bounds(self, deviations: float = 4.0) -> np.ndarray:
+        """Per path: the smoothed RTT plus ``deviations`` mean deviations (four: RFC 6298's RTO
+        before its floor and backoff), 0 before the first sample — how long a packet may take
+        while the path's queue varies, where the smoothed RTT is its average and lags a queue
+        that grows. ``deviations=0``: the smoothed RTT alone."""
+        return np.nan_to_num(self._srtt + deviations * np.nan_to_num(self._rttvar), nan=0.0)
 
     def sampled(self) -> np.ndarray:
         """Per path: True once it has an RTT sample (``rtt_estimate`` is not NaN)."""

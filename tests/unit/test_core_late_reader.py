@@ -17,7 +17,7 @@ from gradlane.scheduling.priority import PriorityConfig
 from gradlane.transport.config import TransportConfig
 from gradlane.transport.core.endpoint import Endpoint
 from gradlane.transport.core.events import AllReduceComplete, DatagramRun
-from gradlane.transport.core.outgoing import INFLIGHT, LOST, OutKey
+from gradlane.transport.core.outgoing import ACKED, INFLIGHT, LOST, OutKey
 from gradlane.transport.wire.header import DType, Flags, Kind, Phase
 
 from tests.support.cores import header_of, kind_of, make, random_datas, run_allreduce
@@ -244,26 +244,28 @@ def test_a_late_chunk_overtaken_in_its_own_lane_is_resent_at_once():
     assert t.state[before] == LOST and t.state[other] == INFLIGHT
 
 
+def _on_way(t, idx, newest, floor, bound, now):  # type: ignore[no-untyped-def]
+    """Which chunks of ``idx`` (all sent at 0) a NACK at ``now`` finds still on their way."""
+    return (now < t.sent_at[idx] + t.on_way_for(idx, newest, floor, bound, 1)).tolist()
+
+
 def test_a_nack_resends_what_the_newest_arrival_overtook_in_its_lane_only():
     """What a NACK asks for is resent if lost: overtaken in its own lane by the newest chunk
-    the receiver had, or older than its path's smoothed RTT on another lane (that path's
-    queue may be deeper: no evidence), or older than that without a newest chunk at all."""
+    the receiver had, or older than its path's wait on another lane (that path's queue may be
+    deeper: no evidence), or older than that without a newest chunk at all."""
     _ep, t, sent, newest, other, before = _late_pair(also_missing=True)
     p_new = int(t.path[newest])
     arrived = [c for c, q in sent if q == p_new][-2]  # the receiver's newest, on newest's path
     earlier = next(c for c, q in sent if q == p_new)  # sent before it on that path
     idx = np.array([earlier, newest, before, other])
-    floor, srtt = np.full(2, 0.001), np.full(2, 0.005)
-    way = t.on_their_way(idx, arrived, floor, srtt, 1, now=0.003).tolist()
+    floor, bound = np.full(2, 0.001), np.full(2, 0.005)
     # earlier: overtaken in its lane; newest: sent after the arrival, but its lane's 1 ms floor
-    # has passed; before, other: another lane, 3 ms < its path's 5 ms smoothed RTT.
-    assert way == [False, False, True, True]
-    assert t.on_their_way(idx, arrived, floor, srtt, 1, now=0.0005).tolist() == [
-        False, True, True, True,
-    ]  # fmt: skip
-    assert not t.on_their_way(idx, arrived, floor, srtt, 1, now=0.006).any()
-    assert t.on_their_way(idx, -1, floor, srtt, 1, now=0.003).all()
-    assert not t.on_their_way(idx, -1, floor, srtt, 1, now=0.006).any()
+    # has passed; before, other: another lane, 3 ms < its path's 5 ms wait.
+    assert _on_way(t, idx, arrived, floor, bound, 0.003) == [False, False, True, True]
+    assert _on_way(t, idx, arrived, floor, bound, 0.0005) == [False, True, True, True]
+    assert not any(_on_way(t, idx, arrived, floor, bound, 0.006))
+    assert all(_on_way(t, idx, -1, floor, bound, 0.003))
+    assert not any(_on_way(t, idx, -1, floor, bound, 0.006))
 
 
 def test_a_nack_waits_for_another_paths_rtt_bound_not_its_average():
@@ -286,3 +288,74 @@ def test_a_nack_waits_for_another_paths_rtt_bound_not_its_average():
     assert t.state[other] == INFLIGHT  # older than the average, within the bound: on its way
     ep.sender.on_nack(t.key, 0, bits, age + 0.007, newest=arrived)
     assert t.state[other] == LOST
+
+
+def test_a_nack_waits_only_the_average_on_a_path_with_nothing_else_of_ours_in_flight():
+    """When every chunk of ours in flight on a path is one the NACK asks for, no queue of ours
+    can be growing there for them to wait behind (what queue is left, others' traffic, the
+    smoothed RTT covers): they are lost past the average, not the bound. On a loaded host the
+    deviations are scheduling noise, and a lane's last chunk has nothing after it to overtake
+    it, so waiting for the bound cost every tail loss several RTTs."""
+    ep, t, sent, _newest, other, before = _late_pair(also_missing=True)
+    p_other = int(t.path[other])
+    arrived = [c for c, q in sent if q == 1 - p_other][-1]
+    ps = ep.sender.paths[int(t.key.dst)]
+    ps._srtt[:] = 0.002
+    ps._rttvar[:] = 0.001  # the bound: 6 ms
+    ps._min_rtt[:] = 0.0002
+    assert ((t.state == INFLIGHT) & (t.path == p_other)).nonzero()[0].tolist() == sorted(
+        [before, other]
+    )
+    bits = np.zeros(t.n_chunks, dtype=bool)
+    bits[[before, other]] = True  # every chunk of ours in flight on that path
+    age = float(max(t.sent_at[before], t.sent_at[other]))
+    ep.sender.on_nack(t.key, 0, bits, age + 0.0015, newest=arrived)
+    assert t.state[other] == INFLIGHT and t.state[before] == INFLIGHT  # within the average
+    ep.sender.on_nack(t.key, 0, bits, age + 0.0025, newest=arrived)
+    assert t.state[other] == LOST and t.state[before] == LOST
+
+
+def test_a_chunk_asked_for_on_its_way_is_resent_when_its_wait_ends_without_another_nack():
+    """A NACK that comes while the chunk may still be on its way is kept: the sender's timer
+    resends the chunk when its wait ends without an ACK. (The receiver backs off its NACKs while
+    they bring nothing, so waiting for the next one would cost more than the wait.) An ACK in
+    between ends the request."""
+    ep, t, sent, _newest, other, _before = _late_pair(also_missing=True)
+    p_other = int(t.path[other])
+    arrived = [c for c, q in sent if q == 1 - p_other][-1]
+    ps = ep.sender.paths[int(t.key.dst)]
+    ps._srtt[:] = 0.002
+    ps._rttvar[:] = 0.001  # the bound: 6 ms (``before`` is in flight there too)
+    ps._min_rtt[:] = 0.0002
+    bits = np.zeros(t.n_chunks, dtype=bool)
+    bits[other] = True
+    sent_at = float(t.sent_at[other])
+    ep.sender.on_nack(t.key, 0, bits, sent_at + 0.004, newest=arrived)
+    assert t.state[other] == INFLIGHT
+    due = ep.sender.get_timer()
+    assert due is not None and due <= sent_at + 0.006 + ep.config.tick_s
+    ep.sender.handle_timer(sent_at + 0.0059)
+    assert t.state[other] == INFLIGHT  # not yet
+    ep.sender.handle_timer(sent_at + 0.0061)
+    assert t.state[other] == LOST  # no second NACK needed
+    assert t.nack_wait is not None and np.isinf(t.nack_wait[other])  # the request is done
+
+
+def test_an_ack_ends_a_kept_nack_request():
+    """The chunk a NACK asked for too soon arrives after all: its ACK ends the request, and the
+    timer resends nothing."""
+    ep, t, sent, _newest, other, _before = _late_pair(also_missing=True)
+    p_other = int(t.path[other])
+    arrived = [c for c, q in sent if q == 1 - p_other][-1]
+    ps = ep.sender.paths[int(t.key.dst)]
+    ps._srtt[:] = 0.002
+    ps._rttvar[:] = 0.001
+    ps._min_rtt[:] = 0.0002
+    bits = np.zeros(t.n_chunks, dtype=bool)
+    bits[other] = True
+    sent_at = float(t.sent_at[other])
+    ep.sender.on_nack(t.key, 0, bits, sent_at + 0.004, newest=arrived)
+    ep.sender.on_ack(t.key, 0, bits, trigger=other, manifest=False, now=sent_at + 0.005)
+    assert t.state[other] == ACKED
+    ep.sender.handle_timer(sent_at + 0.0061)
+    assert t.state[other] == ACKED and not t.asked_lost(sent_at + 1.0).size

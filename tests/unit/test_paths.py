@@ -360,6 +360,7 @@ def test_rtt_and_rto() -> None:
     assert ps.rtt_bounds()[0] == pytest.approx(0.03)
     assert ps.rtt_bounds()[1] == pytest.approx(1e-5 * 3)  # srtt 10 us + 4 x 5 us
     assert make(2).rtt_bounds().tolist() == [0.0, 0.0]
+    assert ps.rtt_bounds(0.0)[1] == pytest.approx(1e-5)  # no deviations: the smoothed RTT
 
 
 def test_idle_gaps_do_not_lower_the_rate() -> None:

@@ -247,6 +247,9 @@ class OutTransfer:
         # round), and the probed chunks whose ACK has not come.
         self.probe_at = np.inf
         self.probes = np.empty(0, dtype=np.int64)
+        # Per chunk: how long after its last transmission a chunk that a NACK asked for while
+        # it was still on its way counts as lost (inf: not asked; None: no request yet).
+        self.nack_wait: np.ndarray | None = None
         self.done = False
         self.gather = gather
 
@@ -382,16 +385,16 @@ class OutTransfer:
         queue; the numbering of :attr:`lane_seq` and the RACK kernels)."""
         return self.path[idx].astype(np.int64) * n_classes + self.prio[idx]
 
-    def on_their_way(
+    def on_way_for(
         self,
         idx: np.ndarray,
         newest: int,
         floor: np.ndarray,
         bound: np.ndarray,
         n_classes: int,
-        now: float,
     ) -> np.ndarray:
-        """Which chunks of ``idx`` a NACK asks for too soon: each may still be on its way.
+        """How long after its last transmission each chunk of ``idx``, asked for by a NACK, may
+        still be on its way (0: it is lost).
 
         ``newest`` is the newest chunk the receiver had when it asked (-1: unknown), ``floor``
         and ``bound`` per path the least time a chunk takes (smallest RTT, at least the reorder
@@ -401,14 +404,38 @@ class OutTransfer:
         sent after it in that lane is on its way for ``floor``. A chunk on another lane may sit
         behind a deeper queue there: what arrived over one path says nothing of another's, so
         it is on its way for its path's ``bound``, as every chunk is without ``newest``."""
-        age = now - self.sent_at[idx]
         path = self.path[idx]
         if newest < 0:
-            return age < bound[path]
+            return bound[path]
         same = self.lanes(idx, n_classes) == self.lanes(np.array([newest]), n_classes)[0]
         overtaken = same & (self.tx_seq[idx] < self.tx_seq[newest])
         wait = np.where(same, floor[path], np.maximum(floor, bound)[path])
-        return ~overtaken & (age < wait)
+        return np.where(overtaken, 0.0, wait)
+
+    def ask_later(self, idx: np.ndarray, wait: np.ndarray) -> None:
+        """A NACK asked for in-flight chunks ``idx`` that may still be on their way for
+        ``wait`` (seconds after their last transmission): each is lost if that passes before
+        its ACK (:meth:`asked_lost`). The request is kept, not dropped: the receiver backs off
+        its NACKs while they bring nothing, so waiting for the next one would cost more."""
+        if self.nack_wait is None:
+            self.nack_wait = np.full(self.n_chunks, np.inf)
+        self.nack_wait[idx] = np.minimum(self.nack_wait[idx], wait)
+
+    def asked_lost(self, now: float) -> np.ndarray:
+        """In-flight chunks a NACK asked for whose wait (:meth:`ask_later`) has passed since
+        their last transmission; their requests are done."""
+        if self.nack_wait is None or not self.n_inflight:
+            return np.empty(0, dtype=np.int64)
+        lost = ((self.state == INFLIGHT) & (self.sent_at + self.nack_wait <= now)).nonzero()[0]
+        self.nack_wait[lost] = np.inf
+        return lost
+
+    def _asked_due(self) -> float:
+        """When the first request kept by :meth:`ask_later` falls due (inf: none)."""
+        if self.nack_wait is None or not self.n_inflight:
+            return np.inf
+        flying = self.state == INFLIGHT
+        return float((self.sent_at[flying] + self.nack_wait[flying]).min(initial=np.inf))
 
     def rack_lost(self, n_classes: int, reorder_window_s: float, now: float) -> np.ndarray:
         """In-flight chunks sent before a chunk of their lane that was acknowledged at least
@@ -454,6 +481,8 @@ class OutTransfer:
             self.rto_since, not self.held))  # fmt: skip
         if not self.manifest_acked:
             due = min(due, self.manifest_sent_at + rto)
+        if self.nack_wait is not None:
+            due = min(due, self._asked_due())
         if self.owes_fin():
             due = min(due, self.fin_sent_at + rto)
         return float(due)

@@ -538,6 +538,8 @@ class SenderCore(LossHandling):
             reordered = t.rack_lost(len(self._tos), self.config.reorder_window_s, now)
             if reordered.size:
                 self._declare_lost(t, reordered, now)
+            if t.nack_wait is not None:
+                self._resend_asked(t, now)
             late = t.timed_out(rtos[t.key.dst], now)
             if late.size:
                 self._on_timeout(t, late, now)

@@ -36,6 +36,7 @@ class LossHandling:
         pacers: dict[tuple[int, int], Pacer]
         _gate: PaceGate
         _tos: list[int]
+        _n_paths: int
         _sendable: set[OutKey]
         _probes: list[tuple[OutKey, int, int, int]]
 
@@ -57,12 +58,14 @@ class LossHandling:
         A chunk this sender last sent before that chunk's last transmission in the same lane
         (path and class) should have arrived: it is lost. One sent after it there may still be
         on its way, if it left less than the path's smallest RTT (at least the reorder window)
-        ago; one on another path, if it left less than that path's RTT bound ago (smoothed RTT
+        ago; one on another lane, if it left less than its path's RTT bound ago (smoothed RTT
         plus four deviations: a deeper or growing queue there is no loss — the receiver's pass
         end may come over a fast path while a congested one still queues the chunks before it:
-        :meth:`OutTransfer.on_their_way`). Without ``newest`` a chunk sent less than the RTT
-        bound ago counts as on its way; a resend that is lost too waits no longer than its
-        retransmission timeout would.
+        :meth:`OutTransfer.on_way_for`), or its smoothed RTT when nothing else of ours is in
+        flight on that path (no queue of ours can grow there). Without ``newest`` every chunk
+        waits so. A chunk asked for while on its way is not forgotten: it is resent when its
+        wait ends without an ACK (:meth:`OutTransfer.ask_later`), not at the next NACK, which
+        a receiver whose NACKs bring nothing sends ever later.
         """
         span = self._bitmap_span(key, base, bits)
         if span is None:
@@ -74,10 +77,19 @@ class LossHandling:
         evidence = 0 <= newest < t.n_chunks
         floor = np.maximum(ps.min_rtts(), self.config.reorder_window_s)
         floor[~np.isfinite(floor)] = self.config.reorder_window_s
-        young = t.on_their_way(
-            idx, newest if evidence else -1, floor, ps.rtt_bounds(), len(self._tos), now
-        )
-        idx = idx[~((t.state[idx] == INFLIGHT) & young)]
+        # A path that carries nothing of ours toward this peer but the chunks asked for adds
+        # no queue of our own for them to wait behind: the smoothed RTT covers what queue is
+        # left there (others' traffic). On a busy path our own data may be queueing up, and
+        # the average lags a queue that grows: the RTT bound then.
+        asked = idx[t.state[idx] == INFLIGHT]
+        own = np.bincount(t.path[asked], weights=t.lengths[asked], minlength=self._n_paths)
+        quiet = ps.outstanding <= own + 0.5
+        bound = np.where(quiet, ps.rtt_bounds(0.0), ps.rtt_bounds())
+        wait = t.on_way_for(idx, newest if evidence else -1, floor, bound, len(self._tos))
+        young = (t.state[idx] == INFLIGHT) & (now < t.sent_at[idx] + wait)
+        if young.any():
+            t.ask_later(idx[young], wait[young])
+        idx = idx[~young]
         st = t.state[idx]
         want = idx[(st == INFLIGHT) | (st == ABANDONED)]
         flying = idx[st == INFLIGHT]
@@ -141,6 +153,19 @@ class LossHandling:
         # Exponential backoff for consecutive timeouts (RFC 6298); any acknowledgement resets it.
         t.rto_backoff = min(t.rto_backoff * 2.0, 64.0)
         self._declare_lost(t, late, now)
+
+    def _resend_asked(self, t: OutTransfer, now: float) -> None:
+        """Chunks a NACK asked for while they were on their way, still unacknowledged when their
+        wait ended (:meth:`OutTransfer.asked_lost`): lost, and resent even where the loss
+        budget would let them go (the receiver needs them, as for the NACK itself)."""
+        lost = t.asked_lost(now)
+        if not lost.size:
+            return
+        t.n_inflight -= int(lost.size)
+        self._note_loss(t, lost, now)
+        t.state[lost] = LOST
+        t.n_lost += int(lost.size)
+        self._sendable.add(t.key)
 
     def _declare_lost(self, t: OutTransfer, idx: np.ndarray, now: float) -> None:
         """In-flight chunks presumed lost: tolerate what the budget allows (never protected),
