@@ -48,6 +48,9 @@ ABOUT: dict[str, tuple[str, str, str]] = {
     "paced": ("Paced all-reduce against the link bound", "perf.paced", "One process per "
         "rank over loopback, each rank's sending paced at a set rate: all-reduce time over the "
         "time its bytes take at that rate."),
+    "demo_loopback": ("The demo over loopback", "", "`gradlane demo --network loopback`: 4 ranks "
+        "train with DDP over loopback, gloo (lossless TCP) against gradlane with 5% of the "
+        "datagrams each rank receives dropped on purpose and a loss bound of 0.05."),
     "testbed_check": ("Testbed self-check", "testbed.selfcheck", "What the emulated leaf-spine "
         "itself delivers: shaping, drops, priority classes, impairment, generator CPU."),
 }
@@ -219,7 +222,8 @@ def section(path: Path, data: dict[str, Any], pngs: list[Path]) -> list[str]:
     link = f"[bench/results/{path.name}](../bench/results/{path.name})"
     out = [f"## {title}: {path.name}", ""]
     if what:
-        out += [f"{what} Written by `python -m gradlane.bench.{module}`.", ""]
+        by = f" Written by `python -m gradlane.bench.{module}`." if module else ""
+        out += [f"{what}{by}", ""]
     out += [f"- file: {link}", *machine(data), "", *body(data, "###")]
     if pngs:
         out += ["Figures: " + ", ".join(f"[{p.name}](../bench/results/{p.name})" for p in pngs), ""]
