@@ -398,8 +398,9 @@ class OutTransfer:
 
         ``newest`` is the newest chunk the receiver had when it asked (-1: unknown), ``floor``
         and ``bound`` per path the least time a chunk takes (smallest RTT, at least the reorder
-        window) and the longest it may take (smoothed RTT plus four deviations,
-        :meth:`~gradlane.scheduling.paths.PathSet.rtt_bounds`). A chunk that ``newest``
+        window) and the longest it may take (the caller's choice: smoothed RTT plus four
+        deviations, :meth:`~gradlane.scheduling.paths.PathSet.rtt_bounds`, or the smoothed RTT
+        alone where no queue of the sender's own can grow). A chunk that ``newest``
         overtook in its own lane (path × ``n_classes`` + class: one FIFO queue) is lost; one
         sent after it in that lane is on its way for ``floor``. A chunk on another lane may sit
         behind a deeper queue there: what arrived over one path says nothing of another's, so
