@@ -81,20 +81,27 @@ class LossHandling:
         # no queue of our own for them to wait behind: the smoothed RTT covers what queue is
         # left there (others' traffic). On a busy path our own data may be queueing up, and
         # the average lags a queue that grows: the RTT bound then.
-        asked = idx[t.state[idx] == INFLIGHT]
+        flying = t.state[idx] == INFLIGHT
+        asked = idx[flying]
         own = np.bincount(t.path[asked], weights=t.lengths[asked], minlength=self._n_paths)
         quiet = ps.outstanding <= own + 0.5
         bound = np.where(quiet, ps.rtt_bounds(0.0), ps.rtt_bounds())
         wait = t.on_way_for(idx, newest if evidence else -1, floor, bound, len(self._tos))
-        young = (t.state[idx] == INFLIGHT) & (now < t.sent_at[idx] + wait)
+        young = flying & (now < t.sent_at[idx] + wait)
         if young.any():
             t.ask_later(idx[young], wait[young])
-        idx = idx[~young]
+        self._requeue(t, idx[~young], now, lost=evidence)
+
+    def _requeue(self, t: OutTransfer, idx: np.ndarray, now: float, lost: bool) -> None:
+        """Chunks ``idx`` of ``t`` the receiver needs (in flight or abandoned): queued for
+        retransmission, whatever the loss budget would let go. In-flight ones leave their
+        paths as losses (``lost``: the receiver's evidence or a wait that ran out) or merely
+        released (queued again without evidence)."""
         st = t.state[idx]
         want = idx[(st == INFLIGHT) | (st == ABANDONED)]
         flying = idx[st == INFLIGHT]
         t.n_inflight -= int(flying.size)
-        if flying.size and evidence:
+        if flying.size and lost:
             # Overtaken by what arrived (or long gone): lost on their paths, like RACK's.
             self._note_loss(t, flying, now)
         elif flying.size:  # queued again: no longer outstanding where they were sent
@@ -103,7 +110,7 @@ class LossHandling:
         t.state[want] = LOST
         t.n_lost += int(want.size)
         if want.size:
-            self._sendable.add(key)
+            self._sendable.add(t.key)
 
     def _on_timeout(self, t: OutTransfer, late: np.ndarray, now: float) -> None:
         """Chunks ``late`` of ``t`` passed their retransmission timeout.
@@ -156,16 +163,8 @@ class LossHandling:
 
     def _resend_asked(self, t: OutTransfer, now: float) -> None:
         """Chunks a NACK asked for while they were on their way, still unacknowledged when their
-        wait ended (:meth:`OutTransfer.asked_lost`): lost, and resent even where the loss
-        budget would let them go (the receiver needs them, as for the NACK itself)."""
-        lost = t.asked_lost(now)
-        if not lost.size:
-            return
-        t.n_inflight -= int(lost.size)
-        self._note_loss(t, lost, now)
-        t.state[lost] = LOST
-        t.n_lost += int(lost.size)
-        self._sendable.add(t.key)
+        wait ended (:meth:`OutTransfer.asked_lost`): lost, and resent as the NACK's own."""
+        self._requeue(t, t.asked_lost(now), now, lost=True)
 
     def _declare_lost(self, t: OutTransfer, idx: np.ndarray, now: float) -> None:
         """In-flight chunks presumed lost: tolerate what the budget allows (never protected),
